@@ -1,0 +1,1 @@
+"""fdg_jax: decoupled training with delayed gradients (BP, DDG, FDG) in JAX."""
