@@ -1,1 +1,17 @@
-"""fdg_jax: decoupled training with delayed gradients (BP, DDG, FDG) in JAX."""
+"""fdg_jax: decoupled neural-network training with delayed gradients in JAX.
+
+Schedules: `bp` (backpropagation), `ddg` (Huo et al. 2018, backward unlocked) and `fdg`
+(Zhuang et al. 2021, forward/backward/update unlocked, with gradient shrinking `beta`).
+"""
+
+from fdg_jax.placement import Placement
+from fdg_jax.schedules import (ALGORITHMS, Schedule, bp, classification_metrics, create, ddg,
+                               delay, fdg, ring_size)
+from fdg_jax.shrink import shrink, shrink_factor
+from fdg_jax.stages import Stage, forward, init_stages
+
+__all__ = [
+    "ALGORITHMS", "Placement", "Schedule", "Stage", "bp", "classification_metrics", "create",
+    "ddg", "delay", "fdg", "forward", "init_stages", "ring_size", "shrink", "shrink_factor",
+]
+__version__ = "0.1.0"
