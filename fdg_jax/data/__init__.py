@@ -1,0 +1,24 @@
+"""Image datasets for fdg_jax: loading without TensorFlow, augmentation, batching.
+
+    ds = fdg_jax.data.load("cifar10", split="train", data_dir=None)
+    it = fdg_jax.data.BatchIterator(ds, 128, train=True, seed=0)
+    batch = next(it)   # {"image": float32 [128, 32, 32, 3], "label": int32 [128]}
+    state = it.get_state(); ...; it.set_state(state)
+
+Datasets (``list_datasets()``): ``digits`` (scikit-learn, offline) and the TFDS datasets
+``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``, ``svhn_cropped``, ``stl10``,
+``imagenet2012``, read with ``tfds.data_source`` (ArrayRecord). Nothing is downloaded: a
+dataset missing from ``data_dir`` raises ``DatasetNotFoundError``. Constants live in
+``fdg_jax.data.registry``. ``python -m fdg_jax.data --dataset NAME`` prints dataset info.
+"""
+
+from fdg_jax.data.iterator import BatchIterator, epoch_permutation
+from fdg_jax.data.registry import REGISTRY, DatasetSpec, get_spec, list_datasets
+from fdg_jax.data.sources import (ArrayDataset, Dataset, DatasetNotFoundError, TfdsDataset,
+                                  from_arrays, load, open_tfds_source, resolve_data_dir)
+
+__all__ = [
+    "ArrayDataset", "BatchIterator", "Dataset", "DatasetNotFoundError", "DatasetSpec",
+    "REGISTRY", "TfdsDataset", "epoch_permutation", "from_arrays", "get_spec",
+    "list_datasets", "load", "open_tfds_source", "resolve_data_dir",
+]

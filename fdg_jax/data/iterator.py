@@ -1,0 +1,258 @@
+"""Deterministic, resumable, shardable batch iterator over a ``Dataset``.
+
+Every batch is a pure function of ``(seed, epoch, step)`` and the dataset: the order of
+epoch ``e`` is a permutation drawn from ``(seed, e)`` only, and the augmentation of the
+batch at ``(e, step)`` from ``(seed, e, step)`` only (parameters are drawn for the whole
+global batch, row ``r`` getting the r-th draw). The iterator's state is therefore just
+the position ``(epoch, step)``; restoring it reproduces the exact batches, augmentation
+included, and it may even be restored under a different ``process_count``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from typing import Any, Iterator
+
+import numpy as np
+
+from fdg_jax.data import augment as aug
+from fdg_jax.data.sources import Dataset
+
+_STATE_VERSION = 1
+# Domain tags keep the shuffle and augmentation streams independent.
+_SHUFFLE_TAG = 0x5348
+_AUGMENT_TAG = 0x4155
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+  """The example order of ``epoch``: int64 permutation of ``[0, n)`` that depends only on
+  ``(seed, epoch, n)``."""
+  rng = np.random.default_rng([int(seed) % 2**63, _SHUFFLE_TAG, int(epoch)])
+  return rng.permutation(n)
+
+
+def augment_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
+  """The generator of the augmentation parameters of global batch ``(epoch, step)``."""
+  return np.random.default_rng([int(seed) % 2**63, _AUGMENT_TAG, int(epoch), int(step)])
+
+
+class BatchIterator(Iterator[dict[str, np.ndarray]]):
+  """Yields ``{"image": float32 [b,H,W,C], "label": int32 [b]}`` (+ ``"mask"``) batches.
+
+  Args:
+    dataset: a ``Dataset`` (``load(...)`` / ``from_arrays(...)``).
+    batch_size: the GLOBAL batch size B; each process yields ``b = B / process_count``
+      rows (ValueError if not divisible).
+    train: training mode: shuffle every epoch and augment by default.
+    seed: seed of the shuffling and augmentation streams.
+    drop_remainder: True: ``floor(N / B)`` full batches per epoch, the tail dropped.
+      False: ``ceil(N / B)`` batches, the last one padded with zero images and label 0,
+      and every batch carries ``"mask"`` (float32 [b], 1 = real example, 0 = padding).
+      None: True when ``train`` else False (evaluation sees every example exactly once).
+    process_index, process_count: this process yields rows
+      ``[process_index * b, (process_index + 1) * b)`` of every global batch.
+    augment: apply the dataset's training augmentation (registry); None = ``train``.
+    shuffle: None = ``train``; False iterates in dataset order.
+    num_epochs: stop after this many epochs; None = never stop when ``train``, one epoch
+      otherwise.
+    prefetch: number of upcoming batches prepared by background threads (0: none).
+
+  The iterator continues across epochs; ``epoch``/``step`` give the position of the next
+  batch, ``get_state()``/``set_state()`` save and restore it.
+  """
+
+  def __init__(self, dataset: Dataset, batch_size: int, *, train: bool, seed: int = 0,
+               drop_remainder: bool | None = None, process_index: int = 0,
+               process_count: int = 1, augment: bool | None = None,
+               shuffle: bool | None = None, num_epochs: int | None = None,
+               prefetch: int = 2):
+    if batch_size <= 0:
+      raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if process_count <= 0 or not 0 <= process_index < process_count:
+      raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and "
+                       f"{process_count}")
+    if batch_size % process_count:
+      raise ValueError(f"global batch_size {batch_size} is not divisible by process_count "
+                       f"{process_count}")
+    self.dataset = dataset
+    self.spec = dataset.spec
+    self.batch_size = int(batch_size)
+    self.local_batch_size = self.batch_size // process_count
+    self.train = bool(train)
+    self.seed = int(seed)
+    self.drop_remainder = self.train if drop_remainder is None else bool(drop_remainder)
+    self.process_index = int(process_index)
+    self.process_count = int(process_count)
+    self.augment = self.train if augment is None else bool(augment)
+    self.shuffle = self.train if shuffle is None else bool(shuffle)
+    self.num_epochs = (None if self.train else 1) if num_epochs is None else int(num_epochs)
+    n = dataset.num_examples
+    self.steps_per_epoch = (n // self.batch_size if self.drop_remainder
+                            else -(-n // self.batch_size))
+    if self.steps_per_epoch == 0:
+      raise ValueError(f"{dataset.name}/{dataset.split} has {n} examples: not one full batch "
+                       f"of {self.batch_size} (use drop_remainder=False)")
+    self.epoch = 0
+    self.step = 0
+    self._prefetch = max(0, int(prefetch))
+    self._pool = None
+    self._pending: collections.deque = collections.deque()
+    self._orders: dict[int, np.ndarray] = {}
+
+  # ---- position / state ---------------------------------------------------------------
+
+  @property
+  def image_shape(self) -> tuple[int, int, int]:
+    """``(H, W, C)`` of the yielded images."""
+    return self.dataset.image_shape
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-able state: the position of the next batch plus fields checked on restore."""
+    return {"version": _STATE_VERSION, "epoch": self.epoch, "step": self.step,
+            "seed": self.seed, "batch_size": self.batch_size,
+            "num_examples": self.dataset.num_examples,
+            "drop_remainder": int(self.drop_remainder), "shuffle": int(self.shuffle)}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Restores a ``get_state()`` position; the next batch is the one an uninterrupted
+    iterator would yield there. ValueError if seed, global batch size, dataset size,
+    drop_remainder or shuffle differ (``process_count`` may differ)."""
+    mine = self.get_state()
+    for key in ("version", "seed", "batch_size", "num_examples", "drop_remainder",
+                "shuffle"):
+      if key in state and int(state[key]) != int(mine[key]):
+        raise ValueError(f"iterator state has {key}={state[key]}, this iterator {mine[key]}")
+    epoch, step = int(state["epoch"]), int(state["step"])
+    if epoch < 0 or not 0 <= step < self.steps_per_epoch:
+      raise ValueError(f"invalid position epoch={epoch} step={step} "
+                       f"(steps_per_epoch={self.steps_per_epoch})")
+    self._drop_pending()
+    self.epoch, self.step = epoch, step
+
+  # ---- batch construction -------------------------------------------------------------
+
+  def order(self, epoch: int) -> np.ndarray:
+    """Example indices of ``epoch`` in iteration order (int64 [N])."""
+    order = self._orders.get(epoch)
+    if order is None:
+      n = self.dataset.num_examples
+      order = epoch_permutation(self.seed, epoch, n) if self.shuffle else np.arange(n)
+      if len(self._orders) >= 2:  # keep the current and the next epoch
+        self._orders.pop(min(self._orders))
+      self._orders[epoch] = order
+    return order
+
+  def batch_at(self, epoch: int, step: int) -> dict[str, np.ndarray]:
+    """This process's batch at position ``(epoch, step)``; a pure function of it."""
+    return self._make_batch(epoch, step, self.order(epoch))
+
+  def _make_batch(self, epoch: int, step: int, order: np.ndarray) -> dict[str, np.ndarray]:
+    gb, lb = self.batch_size, self.local_batch_size
+    global_idx = order[step * gb:(step + 1) * gb]
+    lo = self.process_index * lb
+    local_idx = global_idx[lo:lo + lb]
+    n_real = local_idx.shape[0]
+    images, labels = self.dataset.read(local_idx)
+    kind = self.spec.augmentation
+    rng = augment_rng(self.seed, epoch, step) if self.augment and kind != "none" else None
+    if kind == "imagenet":
+      uniforms = None
+      if rng is not None:
+        uniforms = aug.sample_rrc_uniforms(rng, gb)[lo:lo + n_real]
+      images = aug.imagenet_batch(images, uniforms, self.spec.image_shape[0])
+    elif rng is not None:
+      dy, dx, flip = aug.sample_crop_flip(rng, gb, self.spec.pad, kind == "crop_flip")
+      sl = slice(lo, lo + n_real)
+      images = aug.crop_flip(images, dy[sl], dx[sl], flip[sl], self.spec.pad)
+    image = aug.normalize(images, self.spec)
+    label = np.asarray(labels, np.int32)
+    if n_real < lb:
+      pad_image = np.zeros((lb,) + tuple(self.spec.image_shape), np.float32)
+      pad_image[:n_real] = image
+      pad_label = np.zeros((lb,), np.int32)
+      pad_label[:n_real] = label
+      image, label = pad_image, pad_label
+    batch = {"image": image, "label": label}
+    if not self.drop_remainder:
+      mask = np.zeros((lb,), np.float32)
+      mask[:n_real] = 1.0
+      batch["mask"] = mask
+    return batch
+
+  # ---- iteration ----------------------------------------------------------------------
+
+  def _finished(self, epoch: int) -> bool:
+    return self.num_epochs is not None and epoch >= self.num_epochs
+
+  def _positions_from(self, epoch: int, step: int):
+    while not self._finished(epoch):
+      yield epoch, step
+      step += 1
+      if step == self.steps_per_epoch:
+        epoch, step = epoch + 1, 0
+
+  def _drop_pending(self) -> None:
+    for _, fut in self._pending:
+      fut.cancel()
+    self._pending.clear()
+
+  def _submit(self, epoch: int, step: int):
+    order = self.order(epoch)  # computed on this thread
+    return self._pool.submit(self._make_batch, epoch, step, order)
+
+  def __iter__(self) -> "BatchIterator":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._finished(self.epoch):
+      raise StopIteration
+    pos = (self.epoch, self.step)
+    if self._prefetch:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(self._prefetch, 4), thread_name_prefix="fdg_data")
+      if self._pending and self._pending[0][0] != pos:
+        self._drop_pending()
+      if not self._pending:
+        self._pending.append((pos, self._submit(*pos)))
+      last = self._pending[-1][0]
+      positions = self._positions_from(*last)
+      next(positions)
+      for p in positions:
+        if len(self._pending) > self._prefetch:
+          break
+        self._pending.append((p, self._submit(*p)))
+      batch = self._pending.popleft()[1].result()
+    else:
+      batch = self.batch_at(*pos)
+    self.step += 1
+    if self.step == self.steps_per_epoch:
+      self.epoch, self.step = self.epoch + 1, 0
+    return batch
+
+  def __len__(self) -> int:
+    """Batches left until ``num_epochs`` ends (TypeError when it never ends)."""
+    if self.num_epochs is None:
+      raise TypeError("infinite BatchIterator (num_epochs=None with train=True) has no len")
+    return max(0, (self.num_epochs - self.epoch) * self.steps_per_epoch - self.step)
+
+  def close(self) -> None:
+    """Stops the prefetch threads (the iterator can still be used afterwards)."""
+    self._drop_pending()
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._pool = None
+
+  def __enter__(self) -> "BatchIterator":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    try:
+      if self._pool is not None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+    except Exception:  # pylint: disable=broad-except
+      pass
