@@ -1,0 +1,430 @@
+"""Splitting a model's block sequence into K stages: uniform, balanced, paper or explicit.
+
+A split is given by its *boundaries*: K-1 strictly increasing block indices b_1 < ... < b_{K-1}
+in (0, num_blocks); stage k runs blocks [b_k, b_{k+1}) (b_0 = 0, b_K = num_blocks).
+
+    stages = partition.split(model, 4, "balanced", example_input=model.example_input(1))
+
+Each stage is `Stage.from_linen` of a module whose blocks keep their global names (`block_i`),
+so the variables of the stages are disjoint sub-dicts of the unsplit model's variables
+(`split_tree` / `merge_trees` move them between splits).
+
+Costs per block come from XLA's compiled cost analysis ("flops", "bytes" accessed) or from
+timing on the current device ("time"). They measure one training tick's work for the block:
+its training forward plus its backward (vjp w.r.t. params and input), which is what a stage
+does every tick under DDG and FDG. Stash memory per slot is the byte size of the vjp residuals
+of the stage's training forward, the entry the schedules keep per delayed batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fdg_jax.models import BlockRange, Model
+from fdg_jax.stages import Stage
+
+PyTree = Any
+SPLITS = ("uniform", "balanced", "paper")
+COSTS = ("flops", "bytes", "time")
+SCHEDULES = ("fdg", "ddg")
+
+# Measurements per (kind, block config, input shape/dtype): CIFAR ResNets repeat a handful of
+# block configurations many times (ResNet-1202: 602 blocks, 7 distinct), so this makes balancing
+# cost a few compilations instead of hundreds.
+_CACHE: dict = {}
+
+
+# ----------------------------------------------------------------------------- boundaries
+def ring_length(stage: int, num_stages: int, schedule: str = "fdg") -> int:
+  """Stash slots of stage `stage`: 2(K-1-k) under FDG, K-1-k under DDG (ALGORITHMS.md)."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+  d = num_stages - 1 - stage
+  return 2 * d if schedule == "fdg" else d
+
+
+def stage_ranges(bounds: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
+  """[(start, stop)] block ranges of the stages given by `bounds`."""
+  edges = [0, *bounds, num_blocks]
+  return list(zip(edges[:-1], edges[1:]))
+
+
+def check_boundaries(bounds, num_stages: int, num_blocks: int) -> list[int]:
+  """Validates explicit boundaries; returns them as a list of ints.
+
+  Raises:
+    ValueError: wrong count, not integers, out of (0, num_blocks) or not strictly increasing.
+  """
+  _check_num_stages(num_stages, num_blocks)
+  try:
+    out = [int(b) for b in bounds]
+  except (TypeError, ValueError):
+    raise ValueError(f"boundaries must be a list of block indices, got {bounds!r}") from None
+  if any(o != b for o, b in zip(out, bounds)):
+    raise ValueError(f"boundaries must be integers, got {list(bounds)}")
+  if len(out) != num_stages - 1:
+    raise ValueError(f"{num_stages} stages need {num_stages - 1} boundaries, got {len(out)}: "
+                     f"{out}")
+  if any(not 0 < b < num_blocks for b in out):
+    raise ValueError(f"boundaries {out} out of range: each must be in 1..{num_blocks - 1} "
+                     f"(the model has {num_blocks} blocks)")
+  if any(a >= b for a, b in zip(out, out[1:])):
+    raise ValueError(f"boundaries {out} must be strictly increasing")
+  return out
+
+
+def _check_num_stages(num_stages, num_blocks):
+  if not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
+    raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+  if num_stages > num_blocks:
+    raise ValueError(f"cannot split {num_blocks} blocks into {num_stages} stages: at most "
+                     f"{num_blocks} stages (one block each)")
+
+
+def uniform_boundaries(num_blocks: int, num_stages: int) -> list[int]:
+  """Equal numbers of blocks per stage, sizes differing by at most one.
+
+  Rounding down puts the extra blocks in the later stages: under FDG the early stages keep the
+  longest stashes, so they are the ones to keep small.
+  """
+  _check_num_stages(num_stages, num_blocks)
+  return [num_blocks * k // num_stages for k in range(1, num_stages)]
+
+
+def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] | None = None,
+            memory_weight: float = 0.0) -> list[int]:
+  """Boundaries minimising the most expensive stage over all contiguous partitions (exact DP).
+
+  Args:
+    costs: per-block compute cost (any unit).
+    num_stages: K.
+    memory: per-block stash bytes per slot; needed when memory_weight > 0.
+    memory_weight: w in [0, 1]. Stage k's cost is
+      (1 - w) * C_k / sum(C) + w * ring_k * M_k / (ring_0 * sum(M)),
+      with ring_k = 2(K-1-k) the FDG stash length (DDG's is half of it for every stage, so the
+      normalised term, and the optimum, are the same). w = 0 balances compute, w = 1 minimises
+      the largest stash.
+
+  Returns:
+    K-1 boundaries.
+  """
+  c = np.asarray(costs, dtype=np.float64)
+  n, K = len(c), num_stages
+  _check_num_stages(K, n)
+  if not 0.0 <= memory_weight <= 1.0:
+    raise ValueError(f"memory_weight must be in [0, 1], got {memory_weight}")
+  if memory_weight > 0 and memory is None:
+    raise ValueError("memory_weight > 0 needs the per-block stash bytes (memory=...)")
+  C = np.concatenate([[0.0], np.cumsum(c)])
+  M = np.concatenate([[0.0], np.cumsum(np.asarray(memory, np.float64))]) if memory is not None \
+      else np.zeros(n + 1)
+  rings = np.array([ring_length(k, K) for k in range(K)], np.float64)
+  c_norm = C[-1] if C[-1] > 0 else 1.0
+  m_norm = rings[0] * M[-1] if rings[0] * M[-1] > 0 else 1.0
+
+  def stage_cost(k, i, j):  # stage k = blocks [i, j); i may be an array
+    return ((1.0 - memory_weight) * (C[j] - C[i]) / c_norm
+            + memory_weight * rings[k] * (M[j] - M[i]) / m_norm)
+
+  # best[k, j]: smallest achievable max-stage cost when stages 0..k cover blocks [0, j).
+  best = np.full((K, n + 1), np.inf)
+  prev = np.zeros((K, n + 1), dtype=np.int64)
+  best[0, 1:] = stage_cost(0, 0, np.arange(1, n + 1))
+  for k in range(1, K):
+    for j in range(k + 1, n + 1):
+      i = np.arange(k, j)
+      v = np.maximum(best[k - 1, i], stage_cost(k, i, j))
+      t = int(np.argmin(v))
+      best[k, j], prev[k, j] = v[t], i[t]
+  bounds, j = [], n
+  for k in range(K - 1, 0, -1):
+    j = int(prev[k, j])
+    bounds.append(j)
+  return bounds[::-1]
+
+
+def boundaries(model: Model, num_stages: int, how="uniform", *, example_input=None,
+               cost: str = "flops", memory_weight: float = 0.0) -> list[int]:
+  """The K-1 boundaries of a split of `model` into `num_stages` stages.
+
+  Args:
+    how: "uniform" (equal block counts), "balanced" (minimise the most expensive stage, see
+      `balance`), "paper" (the FDG reference code's split, `model.paper_splits`), or an explicit
+      list of K-1 boundaries.
+    example_input: array or ShapeDtypeStruct of one input batch (costs scale with it); defaults
+      to `model.example_input(1)`. Used by "balanced" only.
+    cost: "flops" | "bytes" | "time" (see the module docstring).
+    memory_weight: blend of normalised FDG stash memory into the balanced cost.
+
+  Raises:
+    ValueError: bad num_stages, bad boundaries, unknown `how`/`cost`, or no paper split.
+  """
+  n = model.num_blocks
+  if not isinstance(how, str):
+    return check_boundaries(how, num_stages, n)
+  _check_num_stages(num_stages, n)
+  if how == "uniform":
+    return uniform_boundaries(n, num_stages)
+  if how == "paper":
+    if num_stages == 1:
+      return []
+    if num_stages not in model.paper_splits:
+      known = sorted(model.paper_splits)
+      raise ValueError(f"no paper split of {model.name} into {num_stages} stages"
+                       + (f"; available: K = {', '.join(map(str, known))}" if known
+                          else " (the reference code has none for this model)"))
+    return check_boundaries(model.paper_splits[num_stages], num_stages, n)
+  if how == "balanced":
+    x = model.example_input(1) if example_input is None else example_input
+    costs = block_costs(model, x, cost)
+    memory = block_stash_bytes(model, x) if memory_weight > 0 else None
+    return balance(costs, num_stages, memory=memory, memory_weight=memory_weight)
+  raise ValueError(f"unknown split {how!r}; expected one of {', '.join(SPLITS)} or a list of "
+                   f"{num_stages - 1} boundaries")
+
+
+def stages_from_boundaries(model: Model, bounds: Sequence[int]) -> list[Stage]:
+  """One `Stage.from_linen` per block range; stage names are "<model>[start:stop]"."""
+  bounds = check_boundaries(bounds, len(bounds) + 1, model.num_blocks)
+  return [Stage.from_linen(model.module(a, b), name=f"{model.name}[{a}:{b}]")
+          for a, b in stage_ranges(bounds, model.num_blocks)]
+
+
+def split(model: Model, num_stages: int, how="uniform", *, example_input=None,
+          cost: str = "flops", memory_weight: float = 0.0) -> list[Stage]:
+  """Splits `model` into `num_stages` stages (arguments as `boundaries`).
+
+  Stage k's apply is `apply(params, model_state, x, *, train, rng=None) -> (y, model_state)`;
+  applied in order the stages compute exactly the unsplit `model.module()`.
+  """
+  bounds = boundaries(model, num_stages, how, example_input=example_input, cost=cost,
+                      memory_weight=memory_weight)
+  return stages_from_boundaries(model, bounds)
+
+
+# ----------------------------------------------------------------------------- variables
+_BLOCK_KEY = "block_"
+
+
+def _block_index(key) -> int | None:
+  if isinstance(key, str) and key.startswith(_BLOCK_KEY) and key[len(_BLOCK_KEY):].isdigit():
+    return int(key[len(_BLOCK_KEY):])
+  return None
+
+
+def split_tree(tree: dict, bounds: Sequence[int]) -> list[dict]:
+  """Splits unsplit-model variables (params, or a model state such as {"batch_stats": ...})
+  into per-stage dicts, by the global block index in their `block_i` keys.
+
+  Collections a stage has no entries in are left out, as that stage's own init leaves them out.
+  """
+  K = len(bounds) + 1
+
+  def go(node):
+    out = [{} for _ in range(K)]
+    for key, value in node.items():
+      b = _block_index(key)
+      if b is not None:
+        out[bisect.bisect_right(bounds, b)][key] = value
+      elif isinstance(value, dict):
+        for k, sub in enumerate(go(value)):
+          if sub:
+            out[k][key] = sub
+      else:
+        raise ValueError(f"cannot assign variable {key!r} to a stage: not under a block_i key")
+    return out
+
+  return go(dict(tree))
+
+
+def merge_trees(trees: Sequence[dict]) -> dict:
+  """Inverse of `split_tree`: deep-merges per-stage variable dicts into one."""
+  out: dict = {}
+  for tree in trees:
+    for key, value in tree.items():
+      if isinstance(value, dict) and isinstance(out.get(key), dict):
+        out[key] = merge_trees([out[key], value])
+      else:
+        out[key] = value
+  return out
+
+
+# ----------------------------------------------------------------------------- measurement
+def _struct(x):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
+
+
+def _unmapped(block):
+  """The block without a BatchNorm `axis_name`: costs are measured outside any mapped axis."""
+  if getattr(block, "bn_axis_name", None) is not None:
+    return block.clone(bn_axis_name=None)
+  return block
+
+
+def _measurement_stage(model: Model, start: int, stop: int) -> Stage:
+  """Blocks [start, stop) as a stage, as `split` builds it but without BN axis names."""
+  blocks = tuple(_unmapped(b) for b in model.blocks[start:stop])
+  return Stage.from_linen(BlockRange(blocks=blocks, start=start),
+                          name=f"{model.name}[{start}:{stop}]")
+
+
+def _block_stage(model: Model, i: int) -> Stage:
+  return _measurement_stage(model, i, i + 1)
+
+
+def stage_structs(stage: Stage, x) -> tuple[PyTree, PyTree, jax.ShapeDtypeStruct]:
+  """(params, model_state, output) of `stage` on input `x`, as ShapeDtypeStructs (no FLOPs)."""
+  x = _struct(x)
+  p, s = jax.eval_shape(lambda x: stage.init(jax.random.key(0), x), x)
+  y, _ = jax.eval_shape(lambda p, s, x: stage.apply(p, s, x, train=False), p, s, x)
+  return p, s, y
+
+
+def _training_vjp(stage, p, s, x, rng):
+  # The same vjp the schedules stash: w.r.t. params, input and (model state, rng).
+  def f(p, a, extra):
+    ms, r = extra
+    return stage.apply(p, ms, a, train=True, rng=r)
+  return jax.vjp(f, p, x, (s, rng), has_aux=True)
+
+
+def residual_bytes(stage: Stage, x) -> int:
+  """Bytes of one stash slot of `stage` on input batch `x` (its training vjp's residuals)."""
+  p, s, _ = stage_structs(stage, x)
+
+  def residuals(p, s, x):
+    _, vjp_fn, _ = _training_vjp(stage, p, s, x, jax.random.key(0))
+    return jax.tree.leaves(vjp_fn)
+
+  leaves = jax.eval_shape(residuals, p, s, _struct(x))
+  return int(sum(a.size * a.dtype.itemsize for a in leaves))
+
+
+def _tick_fn(stage):
+  """One tick's work for a stage: training forward, then backward with a ones cotangent."""
+  def tick(p, s, x, rng):
+    y, vjp_fn, new_s = _training_vjp(stage, p, s, x, rng)
+    grads = vjp_fn(jax.tree.map(jnp.ones_like, y))
+    return y, new_s, grads
+  return tick
+
+
+def _forward_fn(stage):
+  return lambda p, s, x, rng: stage.apply(p, s, x, train=True, rng=rng)
+
+
+def _cost_analysis(fn, p, s, x) -> dict:
+  compiled = jax.jit(fn).lower(p, s, x, jax.random.key(0)).compile()
+  ca = compiled.cost_analysis()
+  if isinstance(ca, (list, tuple)):  # older jax: one dict per computation
+    ca = ca[0] if ca else {}
+  return dict(ca or {})
+
+
+def _time_fn(fn, stage, x, repeats: int = 5) -> float:
+  p, s = stage.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype))
+  xs, rng = jnp.zeros(x.shape, x.dtype), jax.random.key(1)
+  f = jax.jit(fn)
+  jax.block_until_ready(f(p, s, xs, rng))  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(f(p, s, xs, rng))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInfo:
+  """Shapes of one block on a given input: `params`/`state` trees and `input`/`output` structs
+  (all ShapeDtypeStructs)."""
+
+  params: PyTree
+  state: PyTree
+  input: jax.ShapeDtypeStruct
+  output: jax.ShapeDtypeStruct
+
+
+def block_info(model: Model, example_input) -> list[BlockInfo]:
+  """Per-block shapes, propagating `example_input` through the blocks (eval_shape only)."""
+  x = _struct(example_input)
+  out = []
+  for i, block in enumerate(model.blocks):
+    key = ("info", repr(block), x.shape, str(x.dtype))
+    if key not in _CACHE:
+      _CACHE[key] = stage_structs(_block_stage(model, i), x)
+    p, s, y = _CACHE[key]
+    out.append(BlockInfo(p, s, x, y))
+    x = y
+  return out
+
+
+def param_count(tree: PyTree) -> int:
+  """Number of scalars in a pytree of arrays or ShapeDtypeStructs."""
+  return int(sum(np.prod(a.shape, dtype=np.int64) for a in jax.tree.leaves(tree)))
+
+
+def block_costs(model: Model, example_input, cost: str = "flops", *,
+                backward: bool = True) -> np.ndarray:
+  """Per-block cost on the batch `example_input`.
+
+  Args:
+    cost: "flops" or "bytes" (XLA cost analysis: 'flops', 'bytes accessed'; compiled, never run)
+      or "time" (median seconds on the default device; runs the block).
+    backward: True: one training tick (training forward + vjp); False: training forward only.
+
+  Returns:
+    float array of length `model.num_blocks`.
+  """
+  if cost not in COSTS:
+    raise ValueError(f"unknown cost {cost!r}; expected one of {', '.join(COSTS)}")
+  infos = block_info(model, example_input)
+  out = np.zeros(model.num_blocks)
+  for i, (block, info) in enumerate(zip(model.blocks, infos)):
+    key = (cost, backward, repr(block), info.input.shape, str(info.input.dtype))
+    if key not in _CACHE:
+      stage = _block_stage(model, i)
+      fn = _tick_fn(stage) if backward else _forward_fn(stage)
+      if cost == "time":
+        _CACHE[key] = _time_fn(fn, stage, info.input)
+      else:
+        ca = _cost_analysis(fn, info.params, info.state, info.input)
+        _CACHE[key] = float(ca.get("flops" if cost == "flops" else "bytes accessed", 0.0))
+    out[i] = _CACHE[key]
+  return out
+
+
+def block_stash_bytes(model: Model, example_input) -> np.ndarray:
+  """Per-block stash bytes per slot (vjp residuals). A stage's is close to the sum over its
+  blocks; `residual_bytes` on the stage gives it exactly."""
+  infos = block_info(model, example_input)
+  out = np.zeros(model.num_blocks)
+  for i, (block, info) in enumerate(zip(model.blocks, infos)):
+    key = ("residual", repr(block), info.input.shape, str(info.input.dtype))
+    if key not in _CACHE:
+      _CACHE[key] = residual_bytes(_block_stage(model, i), info.input)
+    out[i] = _CACHE[key]
+  return out
+
+
+def slot_bytes(model: Model, bounds: Sequence[int], example_input) -> list[int]:
+  """Bytes of one stash slot of each stage of the split `bounds`, on the batch `example_input`."""
+  infos = block_info(model, example_input)
+  return [residual_bytes(_measurement_stage(model, a, b), infos[a].input)
+          for a, b in stage_ranges(bounds, model.num_blocks)]
+
+
+def stash_bytes(model: Model, bounds: Sequence[int], example_input,
+                schedule: str = "fdg") -> list[int]:
+  """Bytes of each stage's whole stash: `slot_bytes` x ring_length(k, K, schedule)."""
+  K = len(bounds) + 1
+  slots = slot_bytes(model, bounds, example_input)
+  return [s * ring_length(k, K, schedule) for k, s in enumerate(slots)]
