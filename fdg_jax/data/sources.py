@@ -13,6 +13,7 @@ dataset that is not prepared in ``data_dir`` raises ``DatasetNotFoundError``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 from typing import Any, Sequence
 
@@ -153,6 +154,16 @@ def _as_hwc_uint8(image) -> np.ndarray:
   return image
 
 
+@functools.lru_cache(maxsize=1)
+def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
+  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+  d = load_digits()
+  images, target = d.images.astype(np.uint8)[..., None], d.target.astype(np.int32)
+  images.flags.writeable = False
+  target.flags.writeable = False
+  return images, target
+
+
 def digits_split() -> tuple[np.ndarray, np.ndarray]:
   """Fixed stratified split of the 1,797 sklearn digits.
 
@@ -162,8 +173,7 @@ def digits_split() -> tuple[np.ndarray, np.ndarray]:
   class are picked by a permutation from ``np.random.default_rng(0)``. Pure numpy, so the
   split does not depend on the scikit-learn version.
   """
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-  y = load_digits().target
+  y = _digits_raw()[1]
   n = y.shape[0]
   classes, counts = np.unique(y, return_counts=True)
   exact = counts * DIGITS_NUM_TEST / n
@@ -182,14 +192,12 @@ def digits_split() -> tuple[np.ndarray, np.ndarray]:
 
 def load_digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
   """Raw sklearn digits of one split: uint8 ``[n, 8, 8, 1]`` in 0..16, int32 ``[n]``."""
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
   if split not in ("train", "test"):
     raise ValueError(f"digits has splits 'train' and 'test', not {split!r}")
-  d = load_digits()
+  images, target = _digits_raw()
   train_idx, test_idx = digits_split()
   idx = train_idx if split == "train" else test_idx
-  images = d.images[idx].astype(np.uint8)[..., None]
-  return images, d.target[idx].astype(np.int32)
+  return images[idx], target[idx]
 
 
 def _import_tfds():
