@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from fdg_jax.data import augment as aug
-from fdg_jax.data.sources import Dataset
+from fdg_jax.data.sources import ArrayDataset, Dataset
 
 _STATE_VERSION = 1
 # Domain tags keep the shuffle and augmentation streams independent.
@@ -56,7 +56,10 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     shuffle: None = ``train``; False iterates in dataset order.
     num_epochs: stop after this many epochs; None = never stop when ``train``, one epoch
       otherwise.
-    prefetch: number of upcoming batches prepared by background threads (0: none).
+    prefetch: number of upcoming batches prepared by background threads (0: none, all
+      work on the calling thread). None: 0 for in-memory datasets (``ArrayDataset``: the
+      work is a few numpy passes, and on a busy 2-core machine threads measured slower),
+      4 for datasets read/decoded per batch (TFDS sources, ImageNet), where threads help.
 
   The iterator continues across epochs; ``epoch``/``step`` give the position of the next
   batch, ``get_state()``/``set_state()`` save and restore it.
@@ -66,7 +69,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
                drop_remainder: bool | None = None, process_index: int = 0,
                process_count: int = 1, augment: bool | None = None,
                shuffle: bool | None = None, num_epochs: int | None = None,
-               prefetch: int = 2):
+               prefetch: int | None = None):
     if batch_size <= 0:
       raise ValueError(f"batch_size must be positive, got {batch_size}")
     if process_count <= 0 or not 0 <= process_index < process_count:
@@ -95,6 +98,8 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
                        f"of {self.batch_size} (use drop_remainder=False)")
     self.epoch = 0
     self.step = 0
+    if prefetch is None:
+      prefetch = 0 if isinstance(dataset, ArrayDataset) else 4
     self._prefetch = max(0, int(prefetch))
     self._pool = None
     self._pending: collections.deque = collections.deque()
