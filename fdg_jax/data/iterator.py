@@ -242,6 +242,9 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
       raise TypeError("infinite BatchIterator (num_epochs=None with train=True) has no len")
     return max(0, (self.num_epochs - self.epoch) * self.steps_per_epoch - self.step)
 
+  def __bool__(self) -> bool:  # not len()-based: an infinite iterator has no len
+    return True
+
   def close(self) -> None:
     """Stops the prefetch threads (the iterator can still be used afterwards)."""
     self._drop_pending()
