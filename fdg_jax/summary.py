@@ -4,7 +4,8 @@
 
 FLOPs and activation bytes are per sample; stash bytes are for one batch of --batch-size (the
 residuals include the stage's weights, so they are not proportional to the batch size). Nothing
-is executed unless --cost time: costs come from XLA's cost analysis of the compiled blocks.
+is executed unless --cost time: costs come from XLA's cost analysis of each block
+(`partition.block_costs`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,296 @@
+"""Splitting: the split network computes the unsplit one; balancing is optimal; errors are clear.
+
+The reference for "the unsplit network" is the plain Flax apply of `model.module()`, not the
+Stage machinery under test.
+"""
+
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fdg_jax import models, partition, stages as stages_lib
+from fdg_jax.summary import main as summary_main
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def fast_jit(fn, *args):
+  """Compiles `fn` with XLA's backend optimisations off (half the CPU compile time; reference
+  and split are compiled together, so both see the same numerics) and calls it."""
+  return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+
+TINY = {  # name -> (model, input shape)
+    "mlp": (lambda: models.create("mlp", widths=(16, 12, 8)), (2, 4, 4, 3)),
+    "cnn": (lambda: models.create("cnn", channels=(4, 6), hidden=8), (2, 8, 8, 3)),
+    "resnet20": (lambda: models.create("resnet20"), (2, 8, 8, 3)),
+    "wrn10_1": (lambda: models.create("wrn", depth=10, width=1), (2, 8, 8, 3)),
+}
+
+
+def close(a, b):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **TOL), a, b)
+
+
+def random_variables(model, x, seed=0):
+  """Random variables shaped like the unsplit model's, without compiling an init.
+
+  Running variances are kept positive and means non-zero, so eval mode really uses them.
+  """
+  struct = jax.eval_shape(lambda x: model.module().init(jax.random.key(0), x, train=False), x)
+  rng = np.random.default_rng(seed)
+
+  def fill(path, a):
+    if jax.tree_util.keystr(path[-1:]) == "['var']":
+      return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), a.dtype)
+    return jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, struct)
+
+
+def reference(model, variables, x, train, rng=None):
+  """Unsplit forward: (output, new model state) with plain Flax."""
+  state = {k: v for k, v in variables.items() if k != "params"}
+  rngs = {} if rng is None else {"dropout": rng}
+  if train and state:
+    return model.module().apply(variables, x, train=True, mutable=list(state), rngs=rngs)
+  return model.module().apply(variables, x, train=train, rngs=rngs), state
+
+
+def outputs_and_grads(forward, params):
+  """{train: (y, new state, d sum(y^2) / d params)} for train in (False, True)."""
+  out = {}
+  for train in (False, True):
+    def loss(p):
+      y, s = forward(p, train)
+      return jnp.sum(y ** 2), (y, s)
+    (_, (y, s)), g = jax.value_and_grad(loss, has_aux=True)(params)
+    out[train] = (y, s, g)
+  return out
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_split_computes_the_unsplit_network(name):
+  make, shape = TINY[name]
+  model = make()
+  n = model.num_blocks
+  x = jax.random.normal(jax.random.key(0), shape)
+  variables = random_variables(model, x)
+  full_params = variables["params"]
+  full_state = {k: v for k, v in variables.items() if k != "params"}
+
+  splits = {}
+  for how, K in [("uniform", 2), ("balanced", 3), ([1, n - 1], 3)]:
+    bounds = partition.boundaries(model, K, how, example_input=x)
+    stages = partition.split(model, K, how, example_input=x)
+    assert len(stages) == K and partition.check_boundaries(bounds, K, n) == bounds
+    splits[str(how)] = (bounds, stages)
+    # The stages' own init gives the same variable structure as the unsplit init.
+    p0, s0 = jax.eval_shape(lambda: stages_lib.init_stages(stages, jax.random.key(3), x))
+    assert jax.tree.structure(partition.merge_trees(p0)) == jax.tree.structure(full_params)
+    assert jax.tree.structure(partition.merge_trees(s0)) == jax.tree.structure(full_state)
+
+  # One compilation for the reference and every split (XLA CPU compiles are the slow part).
+  def run(full_params, full_state):
+    ref = outputs_and_grads(
+        lambda p, train: reference(model, {"params": p, **full_state}, x, train), full_params)
+    got = {}
+    for key, (bounds, stages) in splits.items():
+      states = partition.split_tree(full_state, bounds)
+      got[key] = outputs_and_grads(
+          lambda ps, train: stages_lib.forward(stages, ps, states, x, train=train),
+          partition.split_tree(full_params, bounds))
+    return ref, got
+
+  ref, got = fast_jit(run, full_params, full_state)
+  for key in splits:
+    for train in (False, True):
+      y, new_states, grads = got[key][train]
+      y_ref, state_ref, grads_ref = ref[train]
+      assert float(jnp.abs(y_ref).max()) > 1e-3  # not a degenerate comparison
+      close(y, y_ref)
+      close(partition.merge_trees(new_states), state_ref)
+      close(partition.merge_trees(grads), grads_ref)
+
+
+def test_dropout_masks_do_not_depend_on_the_split():
+  # Blocks keep their global names, so a block's dropout stream is the same in any split.
+  model = models.create("wrn", depth=10, width=1, dropout=0.5)
+  x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+  variables = random_variables(model, x)
+  bounds = [2, 3]
+  stages = partition.split(model, 3, bounds)
+
+  def both(variables, rng):
+    params = partition.split_tree(variables["params"], bounds)
+    states = partition.split_tree({"batch_stats": variables["batch_stats"]}, bounds)
+    h = x
+    for st, p, s in zip(stages, params, states):
+      h, _ = st.apply(p, s, h, train=True, rng=rng)
+    return h, reference(model, variables, x, True, rng)[0]
+
+  close(*fast_jit(both, variables, jax.random.key(7)))
+
+
+def test_uniform_and_paper_boundaries():
+  m56 = models.create("resnet56")
+  assert partition.boundaries(m56, 4, "uniform") == [7, 14, 21]
+  assert partition.boundaries(m56, 4, "paper") == [7, 14, 21]
+  assert partition.boundaries(m56, 2, "paper") == [14]
+  assert partition.boundaries(m56, 1, "paper") == []
+  assert partition.boundaries(models.create("resnet20"), 3, "uniform") == [3, 7]  # 3, 4, 4
+  stages = partition.split(m56, 4, "paper")
+  assert [s.name for s in stages] == ["resnet56[0:7]", "resnet56[7:14]", "resnet56[14:21]",
+                                      "resnet56[21:29]"]
+
+
+def brute_force(costs, K, memory=None, w=0.0):
+  n = len(costs)
+  c, m = np.asarray(costs, float), np.zeros(n) if memory is None else np.asarray(memory, float)
+  best = None
+  for b in itertools.combinations(range(1, n), K - 1):
+    ranges = partition.stage_ranges(list(b), n)
+    cost = max((1 - w) * c[i:j].sum() / c.sum()
+               + w * partition.ring_length(k, K) * m[i:j].sum() / (2 * (K - 1) * m.sum())
+               for k, (i, j) in enumerate(ranges))
+    best = cost if best is None else min(best, cost)
+  return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_balance_is_optimal(seed):
+  rng = np.random.default_rng(seed)
+  n, K = 9, 1 + seed % 4
+  costs, memory = rng.uniform(0.1, 1, n), rng.uniform(0.1, 1, n)
+  for w in (0.0, 0.3, 1.0):
+    b = partition.balance(costs, K, memory=memory, memory_weight=w)
+    assert len(b) == K - 1 and b == sorted(set(b)) and all(0 < i < n for i in b)
+    got = brute_force(costs, K, memory, w) if K > 1 else None
+    if K > 1:
+      ranges = partition.stage_ranges(b, n)
+      cost = max((1 - w) * costs[i:j].sum() / costs.sum()
+                 + w * partition.ring_length(k, K) * memory[i:j].sum() / (2 * (K - 1)
+                                                                          * memory.sum())
+                 for k, (i, j) in enumerate(ranges))
+      assert cost == pytest.approx(got)
+
+
+def test_memory_weight_trades_compute_for_stash():
+  # Equal compute and memory per block: compute balance gives equal stages; w = 1 moves blocks
+  # to the later stages, whose stashes are shorter.
+  costs = np.ones(12)
+  assert partition.balance(costs, 3) == [4, 8]
+  b = partition.balance(costs, 3, memory=costs, memory_weight=1.0)
+  sizes = np.diff([0, *b, 12])
+  assert sizes[0] == 1 and sizes[2] >= 9  # stash of stage 0 (4 slots/block) is the bottleneck
+
+
+@pytest.mark.parametrize("name", ["resnet56", "resnet110"])
+def test_balanced_beats_paper_split_at_k4(name):
+  m = models.create(name)
+  x = m.example_input(1)  # CIFAR 32x32x3, batch 1; compiled for cost analysis, never run
+  flops = partition.block_costs(m, x, "flops")
+  stage_flops = lambda b: np.array([flops[i:j].sum()
+                                    for i, j in partition.stage_ranges(b, m.num_blocks)])
+  paper = stage_flops(partition.boundaries(m, 4, "paper"))
+  balanced = stage_flops(partition.boundaries(m, 4, "balanced", example_input=x))
+  assert balanced.max() <= paper.max() * (1 + 1e-9)
+  assert balanced.max() / balanced.mean() <= 1.10
+  # Block granularity: no partition beats the heaviest block.
+  assert balanced.max() >= flops.max()
+
+
+def test_stash_bytes():
+  import fdg_jax.schedules as sched
+  m = models.create("cnn", channels=(4, 6), hidden=8)
+  x = jnp.zeros((2, 8, 8, 3))
+  bounds = [1, 2, 3]
+  fdg = partition.stash_bytes(m, bounds, x, "fdg")
+  ddg = partition.stash_bytes(m, bounds, x, "ddg")
+  assert fdg == [2 * d for d in ddg] and fdg[-1] == 0 and all(v > 0 for v in fdg[:-1])
+  for k in range(4):
+    for alg in ("fdg", "ddg"):
+      assert partition.ring_length(k, 4, alg) == sched.ring_size(alg, k, 4)
+  # A slot holds at least the stage input (a conv's backward needs it) and the weights.
+  slots = partition.slot_bytes(m, bounds, x)
+  assert slots[0] >= x.size * 4 + (3 * 3 * 3 * 4 + 4) * 4
+  # Independent count: the residual leaves of a concrete vjp of the first stage.
+  st = partition.split(m, 4, bounds)[0]
+  p, s = st.init(jax.random.key(0), x)
+  _, vjp_fn = jax.vjp(lambda p, x: st.apply(p, s, x, train=True)[0], p, x)
+  assert slots[0] == sum(a.nbytes for a in jax.tree.leaves(vjp_fn))
+
+
+def test_split_tree_round_trip():
+  m = models.create("resnet20")
+  v = jax.eval_shape(lambda x: m.module().init(jax.random.key(0), x, train=False),
+                     m.example_input(1))
+  state = {"batch_stats": v["batch_stats"]}
+  parts = partition.split_tree(state, [5, 10])
+  assert sorted(parts[0]["batch_stats"]) == [f"block_{i}" for i in range(5)]
+  assert sorted(parts[1]["batch_stats"]) == [f"block_{i}" for i in range(5, 10)]
+  # The head has no BatchNorm: its stage's state has no batch_stats collection, like its init.
+  assert parts[2] == {}
+  assert partition.merge_trees(parts) == state
+  with pytest.raises(ValueError, match="not under a block_i key"):
+    partition.split_tree({"w": 1}, [1])
+
+
+@pytest.mark.parametrize("how,K,match", [
+    ("uniform", 12, "cannot split 11 blocks into 12 stages"),
+    ("uniform", 0, "positive integer"),
+    ([0, 5], 3, "out of range"),
+    ([3, 11], 3, "out of range"),
+    ([5, 5], 3, "strictly increasing"),
+    ([6, 2], 3, "strictly increasing"),
+    ([3], 3, "3 stages need 2 boundaries"),
+    ([1.5], 2, "integers"),
+    ("paper", 4, "no paper split of resnet20"),
+    ("random", 2, "unknown split 'random'"),
+])
+def test_split_errors(how, K, match):
+  with pytest.raises(ValueError, match=match) as e:
+    partition.split(models.create("resnet20"), K, how)
+  assert "\n" not in str(e.value)
+
+
+def test_other_errors():
+  with pytest.raises(ValueError, match="available: K = 2, 4"):
+    partition.boundaries(models.create("resnet56"), 3, "paper")
+  with pytest.raises(ValueError, match="unknown cost"):
+    partition.boundaries(models.create("mlp"), 2, "balanced", cost="energy")
+  with pytest.raises(ValueError, match="memory_weight"):
+    partition.balance([1, 2, 3], 2, memory=[1, 1, 1], memory_weight=2.0)
+
+
+def test_summary_cli(capsys):
+  assert summary_main(["--model", "mlp", "--num-stages", "2", "--split", "uniform",
+                       "--batch-size", "4", "--json"]) == 0
+  s = json.loads(capsys.readouterr().out)
+  assert s["boundaries"] == [1] and s["batch_size"] == 4 and len(s["stages"]) == 2
+  st0, st1 = s["stages"]
+  assert st0["params"] == 32 * 32 * 3 * 256 + 256 and st1["params"] == 256 * 256 + 256 + 2570
+  assert st0["flops_per_sample"] == pytest.approx(2 * 32 * 32 * 3 * 256, rel=0.01)
+  assert st0["activation_bytes_per_sample"] == 256 * 4
+  assert st0["fdg_stash_bytes"] == 2 * st0["ddg_stash_bytes"] > 0 and st1["fdg_stash_bytes"] == 0
+  assert s["imbalance"] >= 1.0
+  assert summary_main(["--model", "cnn", "--num-stages", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "imbalance" in out and "FDG stash (batch 1)" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "nope", "--num-stages", "2"], "unknown model"),
+    (["--model", "mlp"], "required"),
+    (["--model", "mlp", "--num-stages", "9"], "cannot split"),
+    (["--model", "mlp", "--num-stages", "2", "--split", "x,y"], "--split"),
+    (["--model", "mlp", "--num-stages", "2", "--split", "paper"], "no paper split"),
+    (["--model", "mlp", "--num-stages", "2", "--batch-size", "0"], "batch size"),
+])
+def test_summary_bad_arguments(capsys, argv, match):
+  assert summary_main(argv) == 2
+  err = capsys.readouterr().err
+  assert match in err and err.count("\n") == 1 and "Traceback" not in err
