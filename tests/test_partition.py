@@ -147,17 +147,14 @@ def test_uniform_and_paper_boundaries():
                                       "resnet56[21:29]"]
 
 
-def brute_force(costs, K, memory=None, w=0.0):
-  n = len(costs)
-  c, m = np.asarray(costs, float), np.zeros(n) if memory is None else np.asarray(memory, float)
-  best = None
-  for b in itertools.combinations(range(1, n), K - 1):
-    ranges = partition.stage_ranges(list(b), n)
-    cost = max((1 - w) * c[i:j].sum() / c.sum()
-               + w * partition.ring_length(k, K) * m[i:j].sum() / (2 * (K - 1) * m.sum())
-               for k, (i, j) in enumerate(ranges))
-    best = cost if best is None else min(best, cost)
-  return best
+def stage_cost(costs, memory, w, bounds):
+  """The balanced objective, written out: max over stages of the blended, normalised cost."""
+  n, K = len(costs), len(bounds) + 1
+  if K == 1:  # one stage: all the compute, and no stash
+    return 1.0 - w
+  return max((1 - w) * costs[i:j].sum() / costs.sum()
+             + w * 2 * (K - 1 - k) * memory[i:j].sum() / (2 * (K - 1) * memory.sum())
+             for k, (i, j) in enumerate(partition.stage_ranges(list(bounds), n)))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -168,14 +165,8 @@ def test_balance_is_optimal(seed):
   for w in (0.0, 0.3, 1.0):
     b = partition.balance(costs, K, memory=memory, memory_weight=w)
     assert len(b) == K - 1 and b == sorted(set(b)) and all(0 < i < n for i in b)
-    got = brute_force(costs, K, memory, w) if K > 1 else None
-    if K > 1:
-      ranges = partition.stage_ranges(b, n)
-      cost = max((1 - w) * costs[i:j].sum() / costs.sum()
-                 + w * partition.ring_length(k, K) * memory[i:j].sum() / (2 * (K - 1)
-                                                                          * memory.sum())
-                 for k, (i, j) in enumerate(ranges))
-      assert cost == pytest.approx(got)
+    brute = min(stage_cost(costs, memory, w, c) for c in itertools.combinations(range(1, n), K - 1))
+    assert stage_cost(costs, memory, w, b) == pytest.approx(brute)
 
 
 def test_memory_weight_trades_compute_for_stash():
@@ -201,6 +192,21 @@ def test_balanced_beats_paper_split_at_k4(name):
   assert balanced.max() / balanced.mean() <= 1.10
   # Block granularity: no partition beats the heaviest block.
   assert balanced.max() >= flops.max()
+
+
+def test_cost_kinds():
+  m = models.create("mlp", widths=(64, 8), input_shape=(16,))
+  x = jnp.zeros((4, 16))
+  fwd = partition.block_costs(m, x, "flops", backward=False)
+  # Per example: 2 * fan_in * fan_out for the matmul, fan_out for the bias, fan_out for ReLU.
+  np.testing.assert_allclose(fwd, [4 * (2 * 16 * 64 + 2 * 64), 4 * (2 * 64 * 8 + 2 * 8),
+                                   4 * (2 * 8 * 10 + 10)], rtol=0.01)
+  tick = partition.block_costs(m, x, "flops")
+  assert np.all(tick > 2 * fwd)  # the backward adds the weight- and input-gradient products
+  np.testing.assert_allclose(partition.block_costs(m, x, "flops", compiled=True), tick, rtol=0.05)
+  assert np.all(partition.block_costs(m, x, "bytes") > 0)
+  assert np.all(partition.block_costs(m, x, "time") > 0)
+  assert partition.boundaries(m, 2, "balanced", example_input=x, cost="time") in ([1], [2])
 
 
 def test_stash_bytes():
