@@ -87,9 +87,11 @@ def _bytes(v: float) -> str:
 
 def format_table(s: dict) -> str:
   """The summary as a plain-text table."""
-  unit = {"flops": "FLOP", "bytes": "B", "time": "s"}[s["cost"]]
+  unit = {"flops": "", "bytes": "B", "time": "s"}[s["cost"]]
+  label = {"flops": "tick FLOPs", "bytes": "tick bytes", "time": "tick time"}[s["cost"]]
   rows = [("stage", "blocks", "first..last", "params", "fwd FLOPs/sample",
-           f"tick {s['cost']}", "act B/sample", f"FDG stash (batch {s['batch_size']})",
+           f"{label} (batch {s['batch_size']})", "act B/sample",
+           f"FDG stash (batch {s['batch_size']})",
            f"DDG stash (batch {s['batch_size']})")]
   for st in s["stages"]:
     tick = f"{st['tick_cost'] * 1e3:.3f}ms" if s["cost"] == "time" else _si(st["tick_cost"], unit)
@@ -102,7 +104,8 @@ def format_table(s: dict) -> str:
   lines = [f"{s['model']}: {s['num_stages']} stages, {s['split']} split, boundaries "
            f"{s['boundaries']}"]
   lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-  lines.append(f"imbalance (max / mean stage tick {s['cost']}): {s['imbalance']:.3f}")
+  lines.append(f"imbalance (max / mean stage {label}, forward + backward): "
+               f"{s['imbalance']:.3f}")
   return "\n".join(lines)
 
 
