@@ -424,8 +424,7 @@ class Schedule:
 
 def _zeros(spec, sharding):
   """Zero arrays of the given ShapeDtypeStruct pytree, created directly on `sharding`."""
-  return jax.tree.map(
-      lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)(), spec)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), spec)
 
 
 def bp(stages, loss_fn, optimizer, *, devices=None, mesh=None, metrics_fn=None) -> Schedule:

@@ -1,0 +1,428 @@
+"""The training loop: `train_and_evaluate(config, workdir)`.
+
+One tick of the chosen schedule per batch; evaluation every `eval_every_epochs`; orbax
+checkpoints that hold everything needed for an exact resume (every stage's params, model
+state, optimizer state and stash, the messages in flight, the tick, the data position).
+Re-running with the same workdir resumes from the latest checkpoint.
+
+User errors (a bad config, a missing dataset, a diverged run) raise `UserError` subclasses
+whose message is one line; `train.py` prints it and exits non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+import fdg_jax
+from fdg_jax import data as data_lib
+from fdg_jax import models, partition
+from fdg_jax.config_check import ConfigError, UserError, validate
+from fdg_jax.optim import learning_rate_schedule, make_optimizer
+
+CHECKPOINT_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+
+
+class DivergedError(UserError):
+  """The loss became NaN or infinite."""
+
+
+class Interrupted(UserError):
+  """SIGINT/SIGTERM: a checkpoint was saved and the run can be resumed."""
+
+  def __init__(self, msg: str, signum: int):
+    super().__init__(msg)
+    self.signum = signum
+
+
+def loss_fn(logits, labels):
+  """Mean softmax cross-entropy against integer labels."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+# ------------------------------------------------------------------------------ set-up
+def setup_cpu_devices(n: int) -> None:
+  """Asks XLA:CPU for `n` devices (effective only before JAX's backends start)."""
+  if n and n > 1:
+    with contextlib.suppress(Exception):
+      jax.config.update("jax_num_cpu_devices", int(n))
+
+
+def choose_placement(num_stages: int, num_replicas: int):
+  """`devices=` or `mesh=` for the schedule, from the devices this process sees.
+
+  One device per stage when there are enough (K, or R x K for R replicas); otherwise, with
+  one replica, every stage on the first device (correct, just not concurrent).
+  """
+  devices = jax.devices()
+  need = num_stages * num_replicas
+  if num_replicas > 1:
+    if len(devices) < need:
+      raise ConfigError(
+          f"num_replicas={num_replicas} x num_stages={num_stages} needs {need} devices, "
+          f"found {len(devices)}; lower num_replicas or set --config.num_cpu_devices={need}")
+    grid = np.asarray(devices[:need], dtype=object).reshape(num_replicas, num_stages)
+    return {"mesh": jax.sharding.Mesh(grid, ("data", "stage"))}
+  if len(devices) >= num_stages:
+    return {"devices": devices[:num_stages]}
+  return {"devices": None}
+
+
+def parse_split(split: str):
+  """"uniform" | "balanced" | "paper" | "3,6,9" (explicit boundaries)."""
+  if isinstance(split, str) and split and split[0].isdigit():
+    return [int(b) for b in split.split(",")]
+  return split
+
+
+def build(config, train_ds):
+  """Model, stages, initial params, and the schedule, from a validated config."""
+  kwargs = dict(config.get("model_kwargs", {}) or {})
+  model = models.create(config.model, num_classes=train_ds.num_classes, **kwargs)
+  x1 = jnp.zeros((1,) + tuple(train_ds.image_shape), jnp.float32)
+  bounds = partition.boundaries(model, config.num_stages, parse_split(config.split),
+                                example_input=x1)
+  stages = partition.stages_from_boundaries(model, bounds)
+  params, model_states = fdg_jax.init_stages(stages, jax.random.PRNGKey(config.seed), x1)
+  return model, bounds, stages, params, model_states
+
+
+def make_schedule(config, stages, steps_per_epoch: int):
+  lr = learning_rate_schedule(
+      config.lr_schedule, config.learning_rate, steps_per_epoch=steps_per_epoch,
+      num_epochs=config.num_epochs, warmup_epochs=config.warmup_epochs,
+      milestones=tuple(config.lr_milestones), gamma=config.lr_gamma)
+  opt = make_optimizer(config.optimizer, lr, momentum=config.momentum,
+                       nesterov=config.nesterov, weight_decay=config.weight_decay)
+  kwargs = choose_placement(config.num_stages, config.num_replicas)
+  if config.algorithm == "fdg":
+    kwargs["beta"] = config.beta
+  if config.algorithm != "bp":
+    kwargs["backward"] = config.backward
+  return fdg_jax.create(config.algorithm, stages, loss_fn, opt, **kwargs), lr
+
+
+# ------------------------------------------------------------------------------ checkpoints
+class Checkpointer:
+  """Orbax CheckpointManager over {schedule state, data position, progress}."""
+
+  def __init__(self, directory: str, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp
+    self._ocp = ocp
+    self.directory = os.path.abspath(directory)
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                             enable_async_checkpointing=False))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state, data_state: dict, progress: dict) -> None:
+    ocp = self._ocp
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(data_state),
+        progress=ocp.args.JsonSave(progress)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, target_state):
+    ocp = self._ocp
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target_state),
+        data=ocp.args.JsonRestore(),
+        progress=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"], restored["progress"]
+
+  def close(self):
+    self.manager.close()
+
+
+# ------------------------------------------------------------------------------ evaluation
+def evaluate(schedule, state, iterator) -> dict:
+  """Eval-mode loss and accuracy over one pass of `iterator` (padded rows masked out)."""
+  total_loss = correct = count = 0.0
+  for batch in iterator:
+    logits = np.asarray(schedule.evaluate(state, batch["image"]), np.float64)
+    labels = batch["label"]
+    mask = batch.get("mask", np.ones(len(labels), np.float32)).astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    nll = logz - logits[np.arange(len(labels)), labels]
+    total_loss += float((nll * mask).sum())
+    correct += float(((logits.argmax(-1) == labels) * mask).sum())
+    count += float(mask.sum())
+  return {"test_loss": total_loss / max(count, 1), "test_accuracy": correct / max(count, 1)}
+
+
+def _nonfinite_stage(schedule, state) -> int | None:
+  for k, p in enumerate(schedule.params(state)):
+    if not all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(p)):
+      return k
+  return None
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+  """Turns SIGINT/SIGTERM into a flag checked between ticks (main thread only)."""
+  flag: dict[str, Any] = {"signum": None}
+
+  def handler(signum, frame):
+    del frame
+    flag["signum"] = signum
+
+  previous = {}
+  try:
+    for s in (signal.SIGINT, signal.SIGTERM):
+      previous[s] = signal.signal(s, handler)
+  except ValueError:  # not the main thread: no signal handling
+    previous = {}
+  try:
+    yield flag
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+class _MetricWriter:
+  """metrics.jsonl (one object per evaluation) and TensorBoard scalars."""
+
+  def __init__(self, workdir: str, resume_step: int):
+    self.path = os.path.join(workdir, METRICS_FILE)
+    # Drop records written after the checkpoint we resume from: they will be recomputed.
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= resume_step]
+      with open(self.path, "w") as f:
+        f.writelines(keep)
+    try:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    except ImportError:  # TensorBoard files are optional
+      self.tb = None
+
+  def write(self, record: dict) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    if self.tb is not None:
+      for k, v in record.items():
+        if k not in ("step", "epoch") and isinstance(v, (int, float)):
+          self.tb.add_scalar(k, v, record["step"])
+      self.tb.flush()
+
+  def close(self):
+    if self.tb is not None:
+      self.tb.close()
+
+
+# ------------------------------------------------------------------------------ the loop
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming from its latest checkpoint) and evaluates.
+
+  Returns:
+    a dict with the last evaluation's metrics, `steps`, `wall_time` and `params` (host copies
+    of the K per-stage parameter pytrees).
+
+  Raises:
+    ConfigError, DatasetNotFoundError, DivergedError, Interrupted (all one-line messages).
+  """
+  validate(config)
+  setup_cpu_devices(config.num_cpu_devices)
+  os.makedirs(workdir, exist_ok=True)
+  _check_or_write_config(config, workdir)
+
+  data_dir = config.data_dir or None
+  train_ds = data_lib.load(config.dataset, "train", data_dir)
+  test_ds = data_lib.load(config.dataset, "test", data_dir)
+  train_it = data_lib.BatchIterator(train_ds, config.batch_size, train=True, seed=config.seed,
+                                    drop_remainder=True)
+  steps_per_epoch = train_it.steps_per_epoch
+  if steps_per_epoch < 1:
+    raise ConfigError(f"batch_size={config.batch_size} exceeds the {train_ds.num_examples} "
+                      f"training examples of {config.dataset}; lower --config.batch_size")
+  total_steps = config.num_epochs * steps_per_epoch
+  if config.max_steps > 0:
+    total_steps = min(total_steps, config.max_steps)
+
+  model, bounds, stages, params, model_states = build(config, train_ds)
+  schedule, lr = make_schedule(config, stages, steps_per_epoch)
+  example = (np.zeros((config.batch_size,) + tuple(train_ds.image_shape), np.float32),
+             np.zeros((config.batch_size,), np.int32))
+  state = schedule.init(params, model_states, rng=jax.random.PRNGKey(config.seed + 1),
+                        example_batch=example)
+
+  ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR))
+  start = ckpt.latest_step()
+  progress = {"wall_time": 0.0, "train_loss_sum": 0.0, "train_acc_sum": 0.0, "train_count": 0}
+  if start is not None:
+    state, data_state, progress = ckpt.restore(start, state)
+    state["tick"] = np.asarray(state["tick"], np.int64)
+    train_it.set_state(data_state)
+    _log(f"resumed from step {start} in {workdir}")
+  step = 0 if start is None else int(start)
+  writer = _MetricWriter(workdir, step)
+  last_good = start
+
+  pending_loss: list = []
+  pending_acc: list = []
+  epoch_start_time = time.time()
+  run_start = time.time() - progress["wall_time"]
+  epoch_steps = 0
+  final: dict = {}
+  bar = _progress_bar(config, steps_per_epoch, step)
+
+  def flush_losses():
+    """Moves this interval's losses to the host and stops on a non-finite one."""
+    nonlocal pending_loss, pending_acc
+    if not pending_loss:
+      return
+    losses = np.asarray(jax.device_get(pending_loss), np.float64)
+    accs = np.asarray(jax.device_get(pending_acc), np.float64)
+    pending_loss, pending_acc = [], []
+    if not np.all(np.isfinite(losses)):
+      k = _nonfinite_stage(schedule, state)
+      where = f"stage {k}'s parameters" if k is not None else "the loss"
+      saved = (f"last good checkpoint: step {last_good} in {ckpt.directory}"
+               if last_good is not None else "no checkpoint was saved yet")
+      raise DivergedError(
+          f"training diverged: non-finite loss by step {step} ({where} non-finite); {saved}; "
+          "lower --config.learning_rate or --config.momentum, or try --config.beta<1")
+    progress["train_loss_sum"] += float(losses.sum())
+    progress["train_acc_sum"] += float(accs.sum())
+    progress["train_count"] += int(losses.size)
+
+  def save():
+    nonlocal last_good
+    flush_losses()
+    progress["wall_time"] = time.time() - run_start
+    ckpt.save(step, state, train_it.get_state(), progress)
+    last_good = step
+
+  try:
+    with _stop_on_signals() as stop:
+      while step < total_steps:
+        batch = next(train_it)
+        state, m = schedule.step(state, (batch["image"], batch["label"]))
+        if "loss" in m:
+          pending_loss.append(m["loss"])
+          pending_acc.append(m["accuracy"])
+        step += 1
+        epoch_steps += 1
+        if bar is not None:
+          bar.update(1)
+        if step % config.log_every_steps == 0:
+          flush_losses()
+          if bar is not None and progress["train_count"]:
+            bar.set_postfix(loss=progress["train_loss_sum"] / progress["train_count"],
+                            samples_s=config.batch_size * epoch_steps /
+                            max(time.time() - epoch_start_time, 1e-9))
+        end_of_epoch = step % steps_per_epoch == 0
+        epoch = step // steps_per_epoch
+        if end_of_epoch and (epoch % config.eval_every_epochs == 0 or step == total_steps):
+          flush_losses()
+          train_time = time.time() - epoch_start_time
+          test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False,
+                                           seed=0, drop_remainder=False)
+          record = {
+              "epoch": epoch, "step": step,
+              "train_loss": _mean(progress["train_loss_sum"], progress["train_count"]),
+              "train_accuracy": _mean(progress["train_acc_sum"], progress["train_count"]),
+              **evaluate(schedule, state, test_it),
+              "learning_rate": float(lr(step)),
+              "samples_per_second": config.batch_size * epoch_steps / max(train_time, 1e-9),
+              "wall_time": time.time() - run_start,
+          }
+          writer.write(record)
+          final = record
+          if bar is not None:
+            bar.write(f"epoch {epoch}: train loss {record['train_loss']:.4f}, "
+                      f"test accuracy {record['test_accuracy']:.4f}")
+          progress.update(train_loss_sum=0.0, train_acc_sum=0.0, train_count=0)
+          epoch_steps = 0
+          epoch_start_time = time.time()
+        if step % config.checkpoint_every_steps == 0 or step == total_steps:
+          save()
+        if stop["signum"] is not None:
+          if last_good != step:
+            save()
+          name = signal.Signals(stop["signum"]).name
+          raise Interrupted(f"{name}: stopped at step {step}, checkpoint saved in "
+                            f"{ckpt.directory}; run the same command to resume",
+                            stop["signum"])
+      flush_losses()
+  finally:
+    if bar is not None:
+      bar.close()
+    writer.close()
+    ckpt.close()
+
+  if not final:
+    test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False, seed=0,
+                                      drop_remainder=False)
+    final = {"step": step, **evaluate(schedule, state, test_it)}
+  wall = time.time() - run_start
+  label = _run_label(config)
+  _log(f"done: {label}, {step} steps, final test accuracy {final['test_accuracy']:.4f} "
+       f"(loss {final['test_loss']:.4f}) in {wall:.1f} s; workdir {workdir}")
+  return {**final, "steps": step, "wall_time": wall,
+          "params": jax.device_get(schedule.params(state))}
+
+
+def _mean(total, count):
+  return total / count if count else float("nan")
+
+
+def _run_label(config) -> str:
+  label = f"{config.algorithm.upper()} K={config.num_stages}"
+  if config.algorithm == "fdg" and config.beta != 1.0:
+    label += f" beta={config.beta:g}"
+  return f"{label} {config.model} on {config.dataset}"
+
+
+def _progress_bar(config, steps_per_epoch, step):
+  if not config.progress_bar:
+    return None
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    return None
+  total = config.num_epochs * steps_per_epoch
+  if config.max_steps > 0:
+    total = min(total, config.max_steps)
+  return tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, disable=None,
+              desc=_run_label(config))
+
+
+def _log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+_IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "dataset", "batch_size", "seed",
+                    "split", "backward", "beta", "num_replicas")
+
+
+def _check_or_write_config(config, workdir: str) -> None:
+  """Writes config.json, or checks that a resumed run was started with the same method."""
+  path = os.path.join(workdir, "config.json")
+  current = json.loads(config.to_json_best_effort())
+  if os.path.exists(path) and os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+    with open(path) as f:
+      saved = json.load(f)
+    for key in _IDENTITY_FIELDS:
+      if key in saved and saved[key] != current.get(key):
+        raise ConfigError(
+            f"{workdir} holds a run with {key}={saved[key]!r}, not {current.get(key)!r}; "
+            "use a new --workdir or the original config")
+  with open(path, "w") as f:
+    json.dump(current, f, indent=2, sort_keys=True)

@@ -1,0 +1,58 @@
+"""Trains a network with BP, DDG or FDG.
+
+    python train.py --config configs/default.py [--workdir runs/x] [--config.field=value ...]
+    python train.py --config configs/cifar10.py:model=resnet56,k=4,algorithm=fdg,beta=0.5
+
+All logic lives in `fdg_jax.trainer.train_and_evaluate`; this file parses flags and turns
+user errors into one line on stderr and a non-zero exit code.
+"""
+
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: a new one in ./runs).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = _CONFIG.value
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  # CPU devices must be requested before JAX starts its backends.
+  n = int(config.get("num_cpu_devices", 1) or 1)
+  if n > 1:
+    import jax
+    jax.config.update("jax_num_cpu_devices", n)
+  from fdg_jax import trainer
+  from fdg_jax.data import DatasetNotFoundError
+
+  workdir = _WORKDIR.value or os.path.join(
+      "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{config.algorithm}-k{config.num_stages}")
+  try:
+    trainer.train_and_evaluate(config, workdir)
+  except trainer.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except DatasetNotFoundError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+  except trainer.Interrupted as e:
+    print(str(e), file=sys.stderr)
+    sys.exit(128 + e.signum)
+  except trainer.UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  # ml_collections reports a config file that fails to load with a traceback; keep it to a line.
+  try:
+    app.run(main)
+  except (FileNotFoundError, AttributeError, ValueError, TypeError) as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
