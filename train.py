@@ -22,7 +22,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  # orbax logs every checkpoint step, TFDS every probe of a data_dir: keep the console for
+  # the progress bar and errors.
+  logging.set_verbosity(logging.ERROR)
   # CPU devices must be requested before JAX starts its backends.
   n = int(config.get("num_cpu_devices", 1) or 1)
   if n > 1:
@@ -49,10 +51,20 @@ def main(argv):
     sys.exit(1)
 
 
-if __name__ == "__main__":
-  # ml_collections reports a config file that fails to load with a traceback; keep it to a line.
+def parse_flags(argv):
+  """absl's parsing, but a bad flag or config file is one line and exit code 2."""
   try:
-    app.run(main)
-  except (FileNotFoundError, AttributeError, ValueError, TypeError) as e:
-    print(f"config error: {e}", file=sys.stderr)
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.get("algorithm")  # loads the config file now, inside this try
+    return rest
+  except (flags.Error, OSError, ValueError, TypeError, AttributeError) as e:
+    text = str(e)
+    if "Traceback" in text:  # get_config raised: its own message is the last line
+      text = text.strip().splitlines()[-1]
+    message = " ".join(text.split())  # ml_collections' messages span several lines
+    print(f"config error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

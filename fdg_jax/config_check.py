@@ -61,7 +61,7 @@ def validate(config) -> None:
     try:
       partition.check_boundaries(bounds, K, model.num_blocks)
     except ValueError as e:
-      _fail(str(e).splitlines()[0])
+      _fail(f"split={split!r}: {str(e).splitlines()[0]}")
   elif split not in ("uniform", "balanced", "paper"):
     _fail(f"unknown split {split!r}; use uniform, balanced, paper or boundaries like 3,6,9")
   elif split == "paper" and K > 1 and K not in model.paper_splits:

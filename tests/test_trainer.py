@@ -1,0 +1,219 @@
+"""train_and_evaluate end to end, exact resume, configs, and the user-error behaviours."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from fdg_jax import trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+METRIC_KEYS = {"epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
+               "learning_rate", "samples_per_second", "wall_time"}
+
+
+def load_config(name="default.py", arg=None):
+  spec = importlib.util.spec_from_file_location(f"cfg_{name}", ROOT / "configs" / name)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def tiny_config(**overrides):
+  c = load_config()
+  c.model_kwargs.widths = (32, 32, 32)
+  c.num_stages = 2
+  c.batch_size = 64
+  c.num_epochs = 2
+  c.checkpoint_every_steps = 7
+  c.log_every_steps = 5
+  c.progress_bar = False
+  c.learning_rate = 0.1
+  c.warmup_epochs = 0.0
+  c.lr_schedule = "constant"
+  for k, v in overrides.items():
+    setattr(c, k, v)
+  return c
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, trainer.METRICS_FILE)) as f:
+    return [json.loads(l) for l in f]
+
+
+@pytest.mark.parametrize("algorithm", ["bp", "ddg", "fdg"])
+def test_train_and_evaluate_on_digits(algorithm, tmp_path):
+  c = tiny_config(algorithm=algorithm)
+  result = trainer.train_and_evaluate(c, str(tmp_path))
+  records = read_metrics(tmp_path)
+  steps_per_epoch = 1437 // 64
+  assert [r["epoch"] for r in records] == [1, 2]
+  assert [r["step"] for r in records] == [steps_per_epoch, 2 * steps_per_epoch]
+  for r in records:
+    assert set(r) == METRIC_KEYS
+    assert all(np.isfinite(v) for v in r.values())
+  # Two epochs on real digits: far above the 10% of chance, and training reduces the loss.
+  assert records[-1]["test_accuracy"] > 0.5
+  assert records[-1]["train_loss"] < records[0]["train_loss"]
+  assert result["test_accuracy"] == records[-1]["test_accuracy"]
+  assert json.load(open(tmp_path / "config.json"))["algorithm"] == algorithm
+  assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
+  assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_train_on_tfds_dataset_under_mock_data(tmp_path):
+  from test_data_tfds import mock_tfds
+  c = tiny_config(dataset="cifar10", model="cnn", batch_size=16, num_epochs=1,
+                  eval_batch_size=16)
+  c.model_kwargs = {"channels": (4,), "hidden": 8}
+  with mock_tfds(48):
+    trainer.train_and_evaluate(c, str(tmp_path))
+  records = read_metrics(tmp_path)
+  assert len(records) == 1 and records[0]["step"] == 3
+  assert 0.0 <= records[0]["test_accuracy"] <= 1.0 and np.isfinite(records[0]["test_loss"])
+
+
+def _params_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("stop_at", [2, 30])  # during the pipeline fill, and mid-run
+def test_resume_is_bitwise_exact(stop_at, tmp_path):
+  c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=2)
+  c.model_kwargs.widths = (16, 16, 16)
+  full = trainer.train_and_evaluate(c, str(tmp_path / "full"))
+  c.max_steps = stop_at
+  part = trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  assert part["steps"] == stop_at
+  c.max_steps = -1
+  resumed = trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  assert resumed["steps"] == full["steps"]
+  assert _params_equal(resumed["params"], full["params"])
+  assert not _params_equal(part["params"], full["params"])
+  a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+  assert [r["test_accuracy"] for r in a] == [r["test_accuracy"] for r in b]
+  assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+
+
+@pytest.mark.parametrize("name,arg", [
+    ("default.py", None),
+    ("cifar10.py", None),
+    ("cifar10.py", "model=resnet56,k=4,algorithm=fdg,beta=0.5"),
+    ("cifar10.py", "model=resnet110,k=4,algorithm=ddg"),
+    ("cifar10.py", "model=wrn28_10,k=2,algorithm=fdg"),
+    ("cifar10.py", "model=resnet20,k=2,algorithm=bp,runlocal=1"),
+    ("cifar10.py", "model=resnet18,k=3,split=balanced"),
+    ("cifar100.py", "model=resnet110,k=2,algorithm=fdg"),
+    ("cifar100.py", "model=resnet18,k=2,algorithm=ddg"),
+])
+def test_config_files_load_and_validate(name, arg):
+  c = load_config(name, arg)
+  trainer.validate(c)
+
+
+def test_every_config_file_is_covered():
+  files = {p.name for p in (ROOT / "configs").glob("*.py")}
+  assert files == {"default.py", "cifar10.py", "cifar100.py"}
+
+
+def test_paper_betas_are_used_by_default():
+  assert load_config("cifar10.py", "model=resnet56,k=4").beta == 0.5
+  assert load_config("cifar10.py", "model=wrn28_10,k=2").beta == 0.7
+  assert load_config("cifar10.py", "model=resnet56,k=4,algorithm=bp").beta == 1.0
+  assert load_config("cifar10.py", "model=resnet56,k=4").split == "paper"
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("algorithm", "pipedream", "algorithm"),
+    ("model", "resnet9000", "unknown model"),
+    ("dataset", "imagenet22k", "unknown dataset"),
+    ("num_stages", 9, "exceeds"),
+    ("beta", 1.5, "beta"),
+    ("beta", 0.0, "beta"),
+    ("split", "3,2", "split"),
+    ("lr_schedule", "triangle", "lr_schedule"),
+])
+def test_bad_config_is_one_clear_error(field, value, needle):
+  c = tiny_config(**{field: value})
+  with pytest.raises(trainer.ConfigError, match=needle) as e:
+    trainer.validate(c)
+  assert "\n" not in str(e.value)
+
+
+def test_batch_not_divisible_by_replicas():
+  c = tiny_config(num_replicas=3, batch_size=64)
+  with pytest.raises(trainer.ConfigError, match="multiple of num_replicas"):
+    trainer.validate(c)
+
+
+def _train_cli(workdir, *overrides, timeout=300, **popen):
+  cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/default.py"),
+         "--workdir", str(workdir), "--config.progress_bar=False", *overrides]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=str(ROOT), **popen)
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+  p = _train_cli(tmp_path / "run", "--config.num_stages=99")
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 2
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and "num_stages=99" in lines[0] and "Traceback" not in err
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_nan_stops_with_one_line_and_keeps_last_good_checkpoint(tmp_path):
+  # A learning rate this large diverges within a few dozen steps on digits.
+  p = _train_cli(tmp_path, "--config.learning_rate=1e6", "--config.momentum=0.9",
+                 "--config.lr_schedule=constant", "--config.warmup_epochs=0",
+                 "--config.checkpoint_every_steps=1", "--config.log_every_steps=1",
+                 "--config.num_stages=2", "--config.weight_decay=0")
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 1, err
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and "non-finite loss" in lines[0] and "Traceback" not in err
+  assert "last good checkpoint" in lines[0] or "no checkpoint" in lines[0]
+  ckpts = [int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()]
+  if "last good checkpoint" in lines[0]:
+    step = int(lines[0].split("last good checkpoint: step ")[1].split()[0])
+    assert max(ckpts) == step
+    # The kept checkpoint is finite.
+    c = trainer.Checkpointer(str(tmp_path / "checkpoints"))
+    meta = c.manager.restore(step)
+    c.close()
+    leaves = [np.asarray(a) for a in jax.tree.leaves(meta["state"]["stages"])
+              if np.issubdtype(np.asarray(a).dtype, np.floating)]
+    assert all(np.all(np.isfinite(a)) for a in leaves)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+  p = _train_cli(tmp_path, "--config.num_epochs=200", "--config.checkpoint_every_steps=100000")
+  metrics = tmp_path / trainer.METRICS_FILE
+  deadline = time.time() + 240
+  while not (metrics.exists() and metrics.stat().st_size > 0):  # training is under way
+    assert p.poll() is None and time.time() < deadline, p.communicate()[1]
+    time.sleep(0.5)
+  p.send_signal(signal.SIGTERM)
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 128 + signal.SIGTERM, err
+  assert "checkpoint saved" in err
+  step = int(err.split("stopped at step ")[1].split(",")[0])
+  ckpts = [int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()]
+  assert step in ckpts and step > 0
+  # Resume to just past the interruption and stop.
+  p = _train_cli(tmp_path, "--config.num_epochs=200", f"--config.max_steps={step + 3}")
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 0, err
+  assert f"resumed from step {step}" in out
+  assert f"{step + 3} steps" in out
