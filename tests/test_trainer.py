@@ -217,3 +217,22 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
   assert p.returncode == 0, err
   assert f"resumed from step {step}" in out
   assert f"{step + 3} steps" in out
+
+
+def test_plot_draws_runs(tmp_path):
+  from fdg_jax import plot
+  runs = []
+  for alg, acc in (("bp", 0.9), ("fdg", 0.8)):
+    d = tmp_path / alg
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"algorithm": alg, "num_stages": 2, "beta": 0.5}))
+    (d / trainer.METRICS_FILE).write_text("".join(
+        json.dumps({"epoch": e, "step": 10 * e, "wall_time": 1.5 * e, "test_accuracy": acc * e / 3,
+                    "test_loss": 1.0 / e}) + "\n" for e in (1, 2, 3)))
+    runs.append(str(d))
+  label, records = plot.load_run(runs[1])
+  assert label == "FDG K=2 β=0.5 seed=0" and len(records) == 3
+  out = tmp_path / "curves.png"
+  assert plot.main([*runs, "-o", str(out)]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+  assert plot.main([str(tmp_path / "missing"), "-o", str(out)]) == 1
