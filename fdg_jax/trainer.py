@@ -280,7 +280,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   run_start = time.time() - progress["wall_time"]
   epoch_steps = 0
   final: dict = {}
-  bar = _progress_bar(config, steps_per_epoch, step)
+  bar = None
 
   def flush_losses():
     """Moves this interval's losses to the host and stops on a non-finite one."""
@@ -312,6 +312,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     with _stop_on_signals() as stop:
       while step < total_steps:
+        if bar is None and config.progress_bar:
+          bar = _progress_bar(config, steps_per_epoch, step)
         batch = next(train_it)
         state, m = schedule.step(state, (batch["image"], batch["label"]))
         if "loss" in m:
@@ -346,11 +348,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           writer.write(record)
           final = record
           if bar is not None:
-            bar.write(f"epoch {epoch}: train loss {record['train_loss']:.4f}, "
-                      f"test accuracy {record['test_accuracy']:.4f}")
+            bar.set_postfix(loss=record["train_loss"], test_acc=record["test_accuracy"],
+                            samples_s=record["samples_per_second"])
           progress.update(train_loss_sum=0.0, train_acc_sum=0.0, train_count=0)
           epoch_steps = 0
           epoch_start_time = time.time()
+        if end_of_epoch and bar is not None:
+          bar.close()
+          bar = None
         if step % config.checkpoint_every_steps == 0 or step == total_steps:
           save()
         if stop["signum"] is not None:
@@ -391,17 +396,17 @@ def _run_label(config) -> str:
 
 
 def _progress_bar(config, steps_per_epoch, step):
+  """A bar over the current epoch (steps, loss, samples/s); None when disabled."""
   if not config.progress_bar:
     return None
   try:
     from tqdm import tqdm
   except ImportError:
     return None
-  total = config.num_epochs * steps_per_epoch
-  if config.max_steps > 0:
-    total = min(total, config.max_steps)
-  return tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, disable=None,
-              desc=_run_label(config))
+  epoch = step // steps_per_epoch
+  return tqdm(total=steps_per_epoch, initial=step % steps_per_epoch, unit="step",
+              dynamic_ncols=True, disable=None, leave=True,
+              desc=f"epoch {epoch + 1}/{config.num_epochs}")
 
 
 def _log(msg: str) -> None:
