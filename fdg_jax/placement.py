@@ -6,6 +6,13 @@ cotangents) live. With a device list both are that one device. With a mesh of ax
 ("data", "stage") of shape (R, K), stage k's state is replicated over the R devices of
 column k and batch-major tensors are sharded over them along their leading axis, so jit
 inserts the gradient all-reduce across the R data-parallel replicas.
+
+The same code runs single-controller (one process sees every device) and multi-controller
+(`jax.distributed.initialize`: every process runs the same program and sees only its own
+devices). In the multi-controller case host data given to `put_batch` is this process's
+slice of the global batch, and messages between stages are moved shard by shard between
+each process's own devices (`move`), because JAX refuses a cross-host `device_put` between
+two different device sets.
 """
 
 from __future__ import annotations
@@ -71,13 +78,143 @@ class Placement:
   def num_stages(self) -> int:
     return len(self.state_shardings)
 
+  # ------------------------------------------------------------------ shardings
+  def message_sharding(self, k: int, leaf) -> jax.sharding.Sharding:
+    """Where a batch-major leaf (or a scalar, replicated) consumed by stage k lives."""
+    return self.batch_shardings[k] if np.ndim(leaf) > 0 else self.scalar_shardings[k]
+
+  def message_shardings(self, k: int, tree):
+    """`message_sharding` for every leaf of `tree` (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda a: self.message_sharding(k, a), tree)
+
+  def buffer_sharding(self, k: int, batch_axis: int | None) -> jax.sharding.Sharding:
+    """Sharding of a stage-k buffer whose batch axis is `batch_axis` (None: not batch-major).
+
+    Stash leaves that hold activations are sharded along their batch axis, like the
+    activations they keep, so each replica stores only its own part of the batch; the rest
+    (weights kept by the vjp, statistics) is replicated like the stage state.
+    """
+    state = self.state_shardings[k]
+    if batch_axis is None or not isinstance(state, NamedSharding):
+      return state
+    return NamedSharding(state.mesh, P(*([None] * batch_axis), DATA_AXIS))
+
+  def local_batch_slice(self, global_batch_size: int) -> slice:
+    """The rows of the global batch this process feeds to `put_batch(0, ...)`.
+
+    All rows in a single process; with several processes, the rows held by this process's
+    devices of stage 0 (a contiguous block, in the order of the mesh's "data" axis).
+    """
+    s = self.batch_shardings[0]
+    rows = set()
+    for idx in s.addressable_devices_indices_map((global_batch_size,)).values():
+      rows.update(range(*idx[0].indices(global_batch_size)))
+    if not rows:
+      return slice(0, 0)
+    lo, hi = min(rows), max(rows) + 1
+    if hi - lo != len(rows):
+      raise ValueError("this process's devices hold a non-contiguous part of the batch; "
+                       "order the mesh's data axis by process (see fdg_jax.make_mesh)")
+    return slice(lo, hi)
+
+  # ------------------------------------------------------------------ moving data
   def put_state(self, k: int, tree):
-    """Commits a pytree of stage state (replicated) to stage k's devices, as a copy."""
-    return jax.device_put(tree, self.state_shardings[k], may_alias=False)
+    """Commits a pytree of stage state (replicated) to stage k's devices, as a copy.
+
+    In a multi-controller run every process must pass the same values (as with identical
+    seeds); each process writes only its own devices.
+    """
+    sharding = self.state_shardings[k]
+    if sharding.is_fully_addressable:
+      return jax.device_put(tree, sharding, may_alias=False)
+    return jax.tree.map(lambda a: _put_replicated(a, sharding), tree)
 
   def put_batch(self, k: int, tree):
-    """Moves batch-major arrays to stage k: leading axis sharded, scalars replicated."""
+    """Moves batch-major arrays to stage k: leading axis sharded, scalars replicated.
+
+    Device arrays (messages between stages) are moved with `move`. Host data (numpy) in a
+    multi-controller run is this process's slice of the global batch (`local_batch_slice`).
+    """
     def put(a):
-      s = self.batch_shardings[k] if np.ndim(a) > 0 else self.scalar_shardings[k]
-      return jax.device_put(a, s)
+      s = self.message_sharding(k, a)
+      if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return move(a, s)
+      if s.is_fully_addressable:
+        return jax.device_put(a, s)
+      if np.ndim(a) == 0:
+        return _put_replicated(a, s)
+      return jax.make_array_from_process_local_data(s, np.asarray(a))
     return jax.tree.map(put, tree)
+
+
+def move(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`a` with `sharding`: `jax.device_put` when this process holds all of both.
+
+  Otherwise (multi-controller) each target device this process holds receives the local
+  shard of `a` with the same index, copied between the process's own devices, and the
+  global array is reassembled from them; nothing crosses a process boundary. That is the
+  case of a (data, stage) mesh whose rows each lie within one process.
+  """
+  if a.is_fully_addressable and sharding.is_fully_addressable:
+    return jax.device_put(a, sharding)
+  return move_shards(a, sharding)
+
+
+def move_shards(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """The shard-by-shard move of `move` (usable in one process too, e.g. in tests)."""
+  if a.sharding == sharding:
+    return a
+  shape = a.shape
+  local = {}
+  for shard in a.addressable_shards:
+    local.setdefault(_index_key(shard.index, shape), shard.data)
+  targets = sharding.addressable_devices_indices_map(shape)
+  pieces, devices = [], []
+  for device, index in targets.items():
+    piece = local.get(_index_key(index, shape))
+    if piece is None:
+      raise ValueError(
+          f"cannot move an array of shape {shape} from {a.sharding} to {sharding}: this "
+          f"process holds no shard with index {index} for {device}. Each stage-to-stage "
+          "move must stay within a process; lay the mesh out so that every replica's K "
+          "stages live in one process (fdg_jax.make_mesh does).")
+    pieces.append(piece)
+    devices.append(device)
+  # One batched, explicit device-to-device copy for all local shards.
+  moved = jax.device_put(pieces, devices)
+  return jax.make_array_from_single_device_arrays(shape, sharding, moved)
+
+
+def _index_key(index, shape):
+  """A hashable form of a shard index (a tuple of slices)."""
+  return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
+def _put_replicated(a, sharding):
+  """`a` replicated over a sharding that spans several processes (same value in each)."""
+  if isinstance(a, jax.Array) and not a.is_fully_addressable:
+    return move(a, sharding)
+  if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+    data = _put_replicated(jax.random.key_data(a), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
+  host = np.asarray(jax.device_get(a))
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx],
+                                      dtype=host.dtype)
+
+
+def make_mesh(num_replicas: int, num_stages: int, devices: Sequence[Any] | None = None) -> Mesh:
+  """A ("data", "stage") mesh of shape (R, K) whose rows stay within one process if they can.
+
+  Devices are ordered by (process, id) and filled row by row, so with P processes of
+  L devices each and K dividing L, replica r's K stages share a process: every stage-to-
+  stage move is then local, and only the gradient all-reduce of a stage (down a column)
+  crosses processes.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  need = num_replicas * num_stages
+  if len(devices) < need:
+    raise ValueError(f"{num_replicas} replicas x {num_stages} stages need {need} devices, "
+                     f"found {len(devices)}")
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:need]
+  grid = np.asarray(devices, dtype=object).reshape(num_replicas, num_stages)
+  return Mesh(grid, (DATA_AXIS, STAGE_AXIS))

@@ -203,7 +203,15 @@ class Schedule:
         act_out = (h, y, batch)
       return s, act_out, cot_out, updated
 
-    fn = jax.jit(step, donate_argnums=0)
+    # Fixed output shardings: the state comes back exactly as it went in (so the next tick
+    # hits the same compiled variant, also under a mesh, where propagation would otherwise
+    # pick the stash's sharding), and messages leave sharded like the batch.
+    P = self.placement
+    out_shardings = (self._state_shardings(k),
+                     self._act_shardings[k] if do_forward else None,
+                     self._cot_shardings[k] if do_backward and k > 0 else None,
+                     P.scalar_shardings[k] if do_backward else None)
+    fn = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
     self._step_fns[key] = fn
     return fn
 
@@ -240,7 +248,11 @@ class Schedule:
       metrics = {"loss": value, "batch": batch, **self.metrics_fn(out, y)}
       return s, grad_x, metrics
 
-    fn = jax.jit(step, donate_argnums=0)
+    P = self.placement
+    out_shardings = (self._state_shardings(K - 1),
+                     self._cot_shardings[K - 1] if K > 1 else None,
+                     P.scalar_shardings[K - 1])
+    fn = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
     self._step_fns[key] = fn
     return fn
 
@@ -277,44 +289,90 @@ class Schedule:
       stages.append(self.placement.put_state(k, s))
     state = {"tick": np.asarray(0, np.int64), "stages": stages, "inbox": None}
     if example_batch is not None:
-      state = self._allocate(state, example_batch)
+      state = self._allocate(state, self.placement.put_batch(0, tuple(example_batch)))
     return state
 
-  def _allocate(self, state, batch):
-    """Adds zero-filled stash and message buffers sized for `batch`'s shapes."""
+  def _prepare(self, state, batch):
+    """Shapes and shardings of the stash entries and messages, for `batch`'s shapes.
+
+    `batch` is the global batch (already placed on stage 0). A stash leaf is batch-major
+    along the axis whose size follows the batch size (found by tracing the stage at the
+    batch size and at twice it); such leaves are sharded along that axis under a mesh.
+    """
     K, P = self.num_stages, self.placement
-    x, y = batch
     spec = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), t)
-    x_spec, y_spec = spec(x), spec(y)
+    doubled = lambda t: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + a.shape[1:], a.dtype)
+        if a.shape else a, t)
+    x_spec, y_spec = spec(batch[0]), spec(batch[1])
     self._batch_spec = (x_spec, y_spec)
+    self._entry_specs, self._stash_shardings = [None] * K, [None] * K
+    self._act_specs, self._act_shardings, self._cot_shardings = ([None] * K for _ in range(3))
+    stages = state["stages"]
+
+    def entry_and_output(k, a):
+      s = stages[k]
+      if self.backward == "stash":
+        _, vjp_spec, _ = jax.eval_shape(
+            lambda p, ms, a, r: self._vjp(k, p, ms, a, r),
+            s["params"], s["model_state"], a, s["rng"])
+        leaves, treedef = jax.tree.flatten(vjp_spec)
+        entry = tuple(leaves)
+      else:
+        entry, treedef = (a, spec(s["rng"])), None
+      h, _, _ = jax.eval_shape(
+          lambda p, ms, a, r: self._forward(k, p, ms, a, r),
+          s["params"], s["model_state"], a, s["rng"])
+      return entry, treedef, h
+
+    a_spec, a_spec2 = x_spec, doubled(x_spec)
+    for k in range(K):
+      self._cot_shardings[k] = P.message_shardings(k, a_spec)
+      if k == K - 1:
+        break
+      entry, self._stash_treedefs[k], h_spec = entry_and_output(k, a_spec)
+      entry2, _, h_spec2 = entry_and_output(k, a_spec2)
+
+      def buffer_sharding(e, e2, k=k):
+        axis = next((i for i, (m, n) in enumerate(zip(e.shape, e2.shape)) if m != n), None)
+        if axis is not None and e.shape[axis] % P.num_replicas:
+          axis = None  # cannot be split evenly over the replicas: keep it replicated
+        return P.buffer_sharding(k, None if axis is None else axis + 1)  # +1: ring axis
+
+      self._entry_specs[k] = entry
+      self._act_specs[k] = (h_spec, y_spec, jax.ShapeDtypeStruct((), jnp.int32))
+      self._stash_shardings[k] = jax.tree.map(buffer_sharding, entry, entry2)
+      self._act_shardings[k] = P.message_shardings(k, self._act_specs[k])
+      a_spec, a_spec2 = h_spec, h_spec2
+
+  def _state_shardings(self, k: int) -> dict:
+    """The sharding of every entry of stage k's state (a prefix of its pytree)."""
+    rep = self.placement.state_shardings[k]
+    out = {name: rep for name in ("params", "model_state", "opt_state", "rng", "pushes",
+                                  "pops")}
+    if k < self.num_stages - 1:
+      out.update(stash=self._stash_shardings[k], stash_batch=rep)
+    return out
+
+  def _allocate(self, state, batch):
+    """Adds zero-filled stash and message buffers sized for `batch` (global, on stage 0)."""
+    K, P = self.num_stages, self.placement
+    self._prepare(state, batch)
     stages, inbox = list(state["stages"]), [dict() for _ in range(K)]
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    a_spec = x_spec
     for k in range(K - 1):
       s = dict(stages[k])
       D = ring_size(self.algorithm, k, K)
-      if self.backward == "stash":
-        _, vjp_spec, _ = jax.eval_shape(
-            lambda p, ms, a, r, k=k: self._vjp(k, p, ms, a, r),
-            s["params"], s["model_state"], a_spec, s["rng"])
-        leaves, self._stash_treedefs[k] = jax.tree.flatten(vjp_spec)
-        entry_spec = tuple(leaves)
-      else:
-        entry_spec = (a_spec, spec(s["rng"]))
-      h_spec, _, _ = jax.eval_shape(
-          lambda p, ms, a, r, k=k: self._forward(k, p, ms, a, r),
-          s["params"], s["model_state"], a_spec, s["rng"])
       s["stash"] = _zeros(jax.tree.map(lambda e: jax.ShapeDtypeStruct((D,) + e.shape, e.dtype),
-                                       entry_spec), P.state_shardings[k])
+                                       self._entry_specs[k]), self._stash_shardings[k])
       s["stash_batch"] = _zeros(jax.ShapeDtypeStruct((D,), jnp.int32), P.state_shardings[k])
       stages[k] = s
+      # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
+      # where (and shaped as) the real messages will arrive.
+      act_spec = self._act_specs[k]
       if self.algorithm in ("ddg", "fdg"):
-        inbox[k]["cot"] = _zeros(h_spec, P.batch_shardings[k])
+        inbox[k]["cot"] = _zeros(act_spec[0], P.message_shardings(k, act_spec[0]))
       if self.algorithm == "fdg":
-        inbox[k + 1]["act"] = (_zeros(h_spec, P.batch_shardings[k + 1]),
-                               _zeros(y_spec, P.batch_shardings[k + 1]),
-                               _zeros(scalar, P.scalar_shardings[k + 1]))
-      a_spec = h_spec
+        inbox[k + 1]["act"] = _zeros(act_spec, P.message_shardings(k + 1, act_spec))
     return {**state, "stages": stages, "inbox": inbox}
 
   # ------------------------------------------------------------------ one tick
@@ -327,16 +385,19 @@ class Schedule:
       update), and, once a batch reaches the loss, `loss`, `batch` (its index) and the
       `metrics_fn` values (default `accuracy`) of that batch.
     """
-    if state["inbox"] is None:
-      state = self._allocate(state, batch)
-    t = int(state["tick"])
     K, P = self.num_stages, self.placement
+    # In a multi-process run `batch` is this process's slice; batch_msg is the global batch.
+    batch_msg = P.put_batch(0, tuple(batch))
+    if state["inbox"] is None:
+      state = self._allocate(state, batch_msg)
+    elif self._batch_spec is None:  # a state restored into a fresh schedule
+      self._prepare(state, batch_msg)
+    t = int(state["tick"])
     stages = list(state["stages"])
     inbox = state["inbox"]
     new_inbox = [dict(box) for box in inbox]  # unsent messages keep their placeholders
     updated: list = [None] * K
     metrics: dict = {}
-    batch_msg = P.put_batch(0, tuple(batch))
 
     def run_last(act):
       stages[K - 1], cot, m = self._last_fn()(stages[K - 1], act)
@@ -423,8 +484,13 @@ class Schedule:
 
 
 def _zeros(spec, sharding):
-  """Zero arrays of the given ShapeDtypeStruct pytree, created directly on `sharding`."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), spec)
+  """Zero arrays of the given ShapeDtypeStruct pytree, created directly on `sharding`.
+
+  `sharding` is one sharding for every leaf or a pytree of them matching `spec`.
+  """
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), spec)
+  return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), spec, sharding)
 
 
 def bp(stages, loss_fn, optimizer, *, devices=None, mesh=None, metrics_fn=None) -> Schedule:
