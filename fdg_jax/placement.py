@@ -126,6 +126,10 @@ class Placement:
     """
     sharding = self.state_shardings[k]
     if sharding.is_fully_addressable:
+      # The state is donated at every tick, so it must not share the caller's buffers; but
+      # replicating over several devices, device_put(may_alias=False) still lets one
+      # replica alias its input (jax 0.10). Copy first.
+      tree = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, tree)
       return jax.device_put(tree, sharding, may_alias=False)
     return jax.tree.map(lambda a: _put_replicated(a, sharding), tree)
 
