@@ -139,16 +139,27 @@ class Placement:
     Device arrays (messages between stages) are moved with `move`. Host data (numpy) in a
     multi-controller run is this process's slice of the global batch (`local_batch_slice`).
     """
-    def put(a):
-      s = self.message_sharding(k, a)
+    shardings = self.message_shardings(k, tree)
+    if self.batch_shardings[k].is_fully_addressable:
+      # One batched device_put for the whole message: per-leaf calls cost ~0.1 ms each of
+      # host time, which is most of a tick's dispatch for small stages.
+      return jax.device_put(tree, shardings)
+
+    def put(a, s):
       if isinstance(a, jax.Array) and not a.is_fully_addressable:
         return move(a, s)
-      if s.is_fully_addressable:
-        return jax.device_put(a, s)
       if np.ndim(a) == 0:
         return _put_replicated(a, s)
       return jax.make_array_from_process_local_data(s, np.asarray(a))
-    return jax.tree.map(put, tree)
+    return jax.tree.map(put, tree, shardings)
+
+  def put_batches(self, messages):
+    """`[put_batch(k, tree) for k, tree in messages]`, as one device_put where possible."""
+    messages = list(messages)
+    if all(self.batch_shardings[k].is_fully_addressable for k, _ in messages):
+      shardings = [self.message_shardings(k, tree) for k, tree in messages]
+      return jax.device_put([tree for _, tree in messages], shardings)
+    return [self.put_batch(k, tree) for k, tree in messages]
 
 
 def move(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
