@@ -60,6 +60,12 @@ class Placement:
         raise ValueError(
             f"mesh has {mesh.devices.shape[1]} stage columns but the model has {num_stages} "
             "stages")
+      processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
+      if (processes != processes[:, :1]).any():
+        # Messages move shard by shard within a process (see `move`); JAX (0.10) refuses a
+        # device_put between different device sets of different processes.
+        raise ValueError("each replica's stages (a row of the mesh) must lie in one process; "
+                         "build the mesh with fdg_jax.runtime.make_mesh")
       state, batch = [], []
       for k in range(num_stages):
         sub = Mesh(mesh.devices[:, k], (DATA_AXIS,))
@@ -114,7 +120,7 @@ class Placement:
     lo, hi = min(rows), max(rows) + 1
     if hi - lo != len(rows):
       raise ValueError("this process's devices hold a non-contiguous part of the batch; "
-                       "order the mesh's data axis by process (see fdg_jax.make_mesh)")
+                       "order the mesh's data axis by process (see fdg_jax.runtime.make_mesh)")
     return slice(lo, hi)
 
   # ------------------------------------------------------------------ moving data
@@ -192,7 +198,7 @@ def move_shards(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
           f"cannot move an array of shape {shape} from {a.sharding} to {sharding}: this "
           f"process holds no shard with index {index} for {device}. Each stage-to-stage "
           "move must stay within a process; lay the mesh out so that every replica's K "
-          "stages live in one process (fdg_jax.make_mesh does).")
+          "stages live in one process (fdg_jax.runtime.make_mesh does).")
     pieces.append(piece)
     devices.append(device)
   # One batched, explicit device-to-device copy for all local shards.

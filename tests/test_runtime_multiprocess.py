@@ -50,13 +50,22 @@ def flat(params, states, prefix):
 def worker(out_dir):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax
+  from jax.sharding import Mesh
 
+  import fdg_jax
   from fdg_jax import runtime
   assert runtime.initialize()
   assert jax.process_count() == 2 and len(jax.local_devices()) == 2, jax.devices()
   mesh = runtime.make_mesh(2, 2)
   # Each replica (mesh row) lies in one process: the case the local move serves.
   assert all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
+  # A pipeline across processes (stage 0 in one, stage 1 in the other) is refused up front.
+  try:
+    fdg_jax.Placement.create(2, mesh=Mesh(mesh.devices.T, mesh.axis_names))
+  except ValueError as e:
+    assert "one process" in str(e)
+  else:
+    raise AssertionError("a mesh whose rows span processes was accepted")
   results = {}
   for algorithm in ALGORITHMS:
     results.update(train(algorithm, mesh))
