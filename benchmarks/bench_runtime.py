@@ -3,7 +3,10 @@
 For each model and K it prints, per steady-state tick (milliseconds):
 
   dispatch   time inside `Schedule.step` (the host enqueues K stage steps and the message
-             moves, and returns without waiting);
+             moves, and returns without waiting), while the devices are busy with earlier
+             ticks (the steady state);
+  disp_idle  the same, measured when the devices are idle (every tick waited for): on a
+             CPU backend the gap to `dispatch` is the host thread competing with XLA's;
   tick       wall time per tick of a run of ticks, blocking only at the end (the pipeline's
              throughput: stages of one tick may overlap each other and the next dispatch);
   tick_sync  wall time per tick when every tick is waited for (no overlap across ticks);
@@ -125,23 +128,24 @@ def main(argv=None):
   devices = jax.devices()
   print(f"backend {jax.default_backend()}, {len(devices)} devices ({devices[0].device_kind}), "
         f"{args.algorithm}, batch {args.batch_size}, {args.ticks} ticks x {args.repeats} runs")
-  print(f"{'model':10s} {'K':>2s} {'dispatch':>9s} {'tick':>9s} {'tick_sync':>9s} "
+  print(f"{'model':10s} {'K':>2s} {'dispatch':>9s} {'disp_idle':>9s} {'tick':>9s} "
+        f"{'tick_sync':>9s} "
         f"{'sum_stage':>9s} {'max_stage':>9s} {'overlap':>7s}   (ms per tick)")
   for name in args.models:
     for K in args.stages:
       sched, state, batch = build(name, K, args.batch_size, args.algorithm, devices)
       # Warm-up: past the schedule's warm-up ticks, every stage variant compiled.
       state, _, _ = timed_ticks(sched, state, batch, 2 * K + 1, sync=True)
-      runs = {"dispatch": [], "tick": [], "tick_sync": []}
+      runs = {"dispatch": [], "disp_idle": [], "tick": [], "tick_sync": []}
       for _ in range(args.repeats):
         state, dispatch, tick = timed_ticks(sched, state, batch, args.ticks, sync=False)
-        state, _, tick_sync = timed_ticks(sched, state, batch, args.ticks, sync=True)
-        runs["dispatch"].append(dispatch)
-        runs["tick"].append(tick)
-        runs["tick_sync"].append(tick_sync)
+        state, disp_idle, tick_sync = timed_ticks(sched, state, batch, args.ticks, sync=True)
+        for key, v in (("dispatch", dispatch), ("disp_idle", disp_idle), ("tick", tick),
+                       ("tick_sync", tick_sync)):
+          runs[key].append(v)
       med = {key: statistics.median(v) * 1e3 for key, v in runs.items()}
       stages = [t * 1e3 for t in stage_times(sched, state, batch, args.ticks)]
-      print(f"{name:10s} {K:2d} {med['dispatch']:9.2f} {med['tick']:9.2f} "
+      print(f"{name:10s} {K:2d} {med['dispatch']:9.2f} {med['disp_idle']:9.2f} {med['tick']:9.2f} "
             f"{med['tick_sync']:9.2f} {sum(stages):9.2f} {max(stages):9.2f} "
             f"{sum(stages) / med['tick']:7.2f}")
 

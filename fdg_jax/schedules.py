@@ -18,8 +18,10 @@ Each stage's work at a tick is one jitted function of (stage state, arriving act
 arriving cotangent) -> (stage state, activation to send, cotangent to send, batch updated),
 with the stage state donated. Which of the forward and backward a stage runs at tick t is
 known on the host (warm-up), so a stage compiles at most three variants (forward only,
-backward only, both) and steady-state ticks never retrace. Messages between stages are moved
-with `jax.device_put` to the neighbour's devices; nothing blocks inside a tick.
+backward only, both) and steady-state ticks never retrace (the state's output shardings are
+fixed to its input ones). Messages between stages are moved explicitly by the `Placement`
+(`jax.device_put` to the neighbour's devices; in a multi-process run, shard by shard between
+each process's own devices); nothing blocks inside a tick and nothing reads a device value.
 
 Messages sent at tick t are read at tick t+1 (DDG cotangents, FDG activations and cotangents);
 they are carried in the schedule state's `inbox`, preallocated with zeros so the state has one

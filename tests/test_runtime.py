@@ -25,7 +25,7 @@ def stages_of(applies):
   return [fdg_jax.Stage(apply=a) for a in applies]
 
 
-def run(schedule, params, states, data, warm=None):
+def run(schedule, params, states, data):
   state = schedule.init(params, states)
   for b in data:
     state, _ = schedule.step(state, b)
@@ -106,9 +106,10 @@ def test_steady_state_tick_makes_no_implicit_transfer(algorithm, placement, K):
 def test_step_returns_before_the_device_work_is_done():
   """A tick only enqueues work: step() returns long before a heavy stage finishes."""
   def heavy(params, model_state, x, *, train=True, rng=None):
-    # ~0.1-1 s of matmuls on a CPU device, whose result feeds the output (not dead code).
-    m = jnp.full((384, 384), 1.0 / 384, jnp.float32)
-    h = jax.lax.fori_loop(0, 150, lambda i, a: jnp.tanh(a @ m + 0.01), jnp.ones((384, 384)))
+    # ~0.1-0.5 s of matmuls on a CPU device, whose result feeds the output (not dead code).
+    m = jnp.full((256, 256), 1.0 / 256, jnp.float32)
+    start = jnp.ones((256, 256)) * params["w"][0, 0]  # data-dependent: nothing to fold
+    h = jax.lax.fori_loop(0, 100, lambda i, a: jnp.tanh(a @ m + 0.01), start)
     return jnp.tanh(x @ params["w"]) + 1e-6 * h[:x.shape[0], :x.shape[1]], model_state
 
   applies, params, states = make_model("mlp", 2)
