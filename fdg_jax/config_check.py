@@ -71,6 +71,9 @@ def validate(config) -> None:
   if config.batch_size < 1 or config.batch_size % config.num_replicas:
     _fail(f"batch_size={config.batch_size} must be a positive multiple of "
           f"num_replicas={config.num_replicas}")
+  if config.get("eval_batch_size", 1) % config.num_replicas:
+    _fail(f"eval_batch_size={config.eval_batch_size} must be a multiple of "
+          f"num_replicas={config.num_replicas}")
   if config.num_epochs < 1:
     _fail(f"num_epochs={config.num_epochs} must be >= 1")
   if config.optimizer not in ("sgd", "adam"):

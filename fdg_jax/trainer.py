@@ -27,7 +27,7 @@ import optax
 
 import fdg_jax
 from fdg_jax import data as data_lib
-from fdg_jax import models, partition
+from fdg_jax import models, partition, runtime
 from fdg_jax.config_check import ConfigError, UserError, validate
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
 
@@ -55,7 +55,7 @@ def loss_fn(logits, labels):
 # ------------------------------------------------------------------------------ set-up
 def setup_cpu_devices(n: int) -> None:
   """Asks XLA:CPU for `n` devices (effective only before JAX's backends start)."""
-  if n and n > 1:
+  if n and n > 1 and "JAX_NUM_CPU_DEVICES" not in os.environ:
     with contextlib.suppress(Exception):
       jax.config.update("jax_num_cpu_devices", int(n))
 
@@ -64,17 +64,23 @@ def choose_placement(num_stages: int, num_replicas: int):
   """`devices=` or `mesh=` for the schedule, from the devices this process sees.
 
   One device per stage when there are enough (K, or R x K for R replicas); otherwise, with
-  one replica, every stage on the first device (correct, just not concurrent).
+  one replica in one process, every stage on the first device (correct, just not
+  concurrent). Several processes (jax.distributed) need a mesh whose replica rows each stay
+  inside one process.
   """
   devices = jax.devices()
   need = num_stages * num_replicas
-  if num_replicas > 1:
+  processes = jax.process_count()
+  if num_replicas > 1 or processes > 1:
+    if num_replicas % processes:
+      raise ConfigError(
+          f"num_replicas={num_replicas} must be a multiple of the {processes} processes: each "
+          "process runs whole pipeline replicas")
     if len(devices) < need:
       raise ConfigError(
           f"num_replicas={num_replicas} x num_stages={num_stages} needs {need} devices, "
           f"found {len(devices)}; lower num_replicas or set --config.num_cpu_devices={need}")
-    grid = np.asarray(devices[:need], dtype=object).reshape(num_replicas, num_stages)
-    return {"mesh": jax.sharding.Mesh(grid, ("data", "stage"))}
+    return {"mesh": runtime.make_mesh(num_replicas, num_stages)}
   if len(devices) >= num_stages:
     return {"devices": devices[:num_stages]}
   return {"devices": None}
@@ -152,18 +158,33 @@ class Checkpointer:
 
 # ------------------------------------------------------------------------------ evaluation
 def evaluate(schedule, state, iterator) -> dict:
-  """Eval-mode loss and accuracy over one pass of `iterator` (padded rows masked out)."""
+  """Eval-mode loss and accuracy over one pass of `iterator` (padded rows masked out).
+
+  With several processes each feeds its rows of every batch; logits, labels and masks are
+  gathered so that every process computes the metrics of the whole test set.
+  """
   total_loss = correct = count = 0.0
   for batch in iterator:
-    logits = np.asarray(schedule.evaluate(state, batch["image"]), np.float64)
+    logits = schedule.evaluate(state, batch["image"])
     labels = batch["label"]
-    mask = batch.get("mask", np.ones(len(labels), np.float32)).astype(np.float64)
+    mask = batch.get("mask", np.ones(len(labels), np.float32))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      logits, labels, mask = multihost_utils.process_allgather((logits, labels, mask),
+                                                               tiled=True)
+    logits = np.asarray(logits, np.float64)
+    mask = np.asarray(mask, np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - logits[np.arange(len(labels)), labels]
     total_loss += float((nll * mask).sum())
     correct += float(((logits.argmax(-1) == labels) * mask).sum())
     count += float(mask.sum())
   return {"test_loss": total_loss / max(count, 1), "test_accuracy": correct / max(count, 1)}
+
+
+def host_copy(tree):
+  """Host numpy copies of replicated arrays (also when they span several processes)."""
+  return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
 def _nonfinite_stage(schedule, state) -> int | None:
@@ -200,6 +221,10 @@ class _MetricWriter:
 
   def __init__(self, workdir: str, resume_step: int):
     self.path = os.path.join(workdir, METRICS_FILE)
+    self.tb = None
+    self.enabled = jax.process_index() == 0  # one writer in a multi-process run
+    if not self.enabled:
+      return
     # Drop records written after the checkpoint we resume from: they will be recomputed.
     if os.path.exists(self.path):
       with open(self.path) as f:
@@ -213,6 +238,8 @@ class _MetricWriter:
       self.tb = None
 
   def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     if self.tb is not None:
@@ -245,8 +272,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   data_dir = config.data_dir or None
   train_ds = data_lib.load(config.dataset, "train", data_dir)
   test_ds = data_lib.load(config.dataset, "test", data_dir)
+  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   train_it = data_lib.BatchIterator(train_ds, config.batch_size, train=True, seed=config.seed,
-                                    drop_remainder=True)
+                                    drop_remainder=True, **process)
   steps_per_epoch = train_it.steps_per_epoch
   if steps_per_epoch < 1:
     raise ConfigError(f"batch_size={config.batch_size} exceeds the {train_ds.num_examples} "
@@ -257,8 +285,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   model, bounds, stages, params, model_states = build(config, train_ds)
   schedule, lr = make_schedule(config, stages, steps_per_epoch)
-  example = (np.zeros((config.batch_size,) + tuple(train_ds.image_shape), np.float32),
-             np.zeros((config.batch_size,), np.int32))
+  local = schedule.placement.local_batch_slice(config.batch_size)
+  local_rows = local.stop - local.start
+  if (local_rows != config.batch_size // jax.process_count()
+      or local.start != jax.process_index() * local_rows):
+    raise ConfigError(f"this process feeds {local_rows} rows of each batch of "
+                      f"{config.batch_size}; use as many replicas per process on every process")
+  example = (np.zeros((local_rows,) + tuple(train_ds.image_shape), np.float32),
+             np.zeros((local_rows,), np.int32))
   state = schedule.init(params, model_states, rng=jax.random.PRNGKey(config.seed + 1),
                         example_batch=example)
 
@@ -335,7 +369,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           flush_losses()
           train_time = time.time() - epoch_start_time
           test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False,
-                                           seed=0, drop_remainder=False)
+                                           seed=0, drop_remainder=False, **process)
           record = {
               "epoch": epoch, "step": step,
               "train_loss": _mean(progress["train_loss_sum"], progress["train_count"]),
@@ -374,14 +408,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   if not final:
     test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False, seed=0,
-                                      drop_remainder=False)
+                                      drop_remainder=False, **process)
     final = {"step": step, **evaluate(schedule, state, test_it)}
   wall = time.time() - run_start
   label = _run_label(config)
-  _log(f"done: {label}, {step} steps, final test accuracy {final['test_accuracy']:.4f} "
-       f"(loss {final['test_loss']:.4f}) in {wall:.1f} s; workdir {workdir}")
+  if jax.process_index() == 0:
+    _log(f"done: {label}, {step} steps, final test accuracy {final['test_accuracy']:.4f} "
+         f"(loss {final['test_loss']:.4f}) in {wall:.1f} s; workdir {workdir}")
   return {**final, "steps": step, "wall_time": wall,
-          "params": jax.device_get(schedule.params(state))}
+          "params": host_copy(schedule.params(state))}
 
 
 def _mean(total, count):
@@ -429,5 +464,6 @@ def _check_or_write_config(config, workdir: str) -> None:
         raise ConfigError(
             f"{workdir} holds a run with {key}={saved[key]!r}, not {current.get(key)!r}; "
             "use a new --workdir or the original config")
-  with open(path, "w") as f:
-    json.dump(current, f, indent=2, sort_keys=True)
+  if jax.process_index() == 0:
+    with open(path, "w") as f:
+      json.dump(current, f, indent=2, sort_keys=True)

@@ -236,3 +236,39 @@ def test_plot_draws_runs(tmp_path):
   assert plot.main([*runs, "-o", str(out)]) == 0
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
   assert plot.main([str(tmp_path / "missing"), "-o", str(out)]) == 1
+
+
+def _dp_config(**overrides):
+  c = tiny_config(num_stages=2, num_epochs=1, batch_size=64, eval_batch_size=128,
+                  checkpoint_every_steps=1000, **overrides)
+  c.model_kwargs.widths = (16, 16)
+  return c
+
+
+def test_data_parallel_replicas_match_one_replica(tmp_path):
+  """DP x FDG in the trainer: R=2 replicas == one pipeline fed the same global batches."""
+  one = trainer.train_and_evaluate(_dp_config(num_replicas=1), str(tmp_path / "r1"))
+  two = trainer.train_and_evaluate(_dp_config(num_replicas=2), str(tmp_path / "r2"))
+  for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(two["params"])):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+  assert abs(one["test_loss"] - two["test_loss"]) < 1e-5
+
+
+def test_two_processes_train_like_one(tmp_path):
+  """train.py under `python -m fdg_jax.launch` (2 processes x 2 CPU devices, R=2, K=2)."""
+  single = trainer.train_and_evaluate(_dp_config(num_replicas=2), str(tmp_path / "single"))
+  cmd = [sys.executable, "-m", "fdg_jax.launch", "--num-processes", "2", "--cpu-devices", "2",
+         "--timeout", "240", "--", sys.executable, str(ROOT / "train.py"),
+         "--config", str(ROOT / "configs/default.py"), "--workdir", str(tmp_path / "multi"),
+         "--config.progress_bar=False", "--config.num_replicas=2", "--config.num_stages=2",
+         "--config.num_epochs=1", "--config.batch_size=64", "--config.eval_batch_size=128",
+         "--config.checkpoint_every_steps=1000", "--config.learning_rate=0.1",
+         "--config.warmup_epochs=0", "--config.lr_schedule=constant",
+         "--config.model_kwargs.widths=(16,16)"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  multi = read_metrics(tmp_path / "multi")
+  assert len(multi) == 1 and multi[0]["step"] == single["steps"]
+  assert abs(multi[0]["test_loss"] - single["test_loss"]) < 1e-5
+  assert multi[0]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
