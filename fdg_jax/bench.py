@@ -1,0 +1,703 @@
+"""Benchmarks of the BP, DDG and FDG schedules: throughput, overhead, dispatch, memory, speed-up.
+
+    python -m fdg_jax.bench all --out docs/bench_cpu.json        # small sizes (CPU default)
+    python -m fdg_jax.bench throughput --model resnet56 --batch_size 128 --ticks 50   # GPUs
+    python -m fdg_jax.bench memory --presets resnet20 mlp_digits
+
+Commands (each prints a markdown table and writes JSON to --out):
+
+  throughput  samples/s and step time of BP, DDG, FDG for one model and global batch at each K
+              in --stages; stages on K distinct devices when there are K, else all on one.
+  overhead    one device only: time per sample of each schedule split into K stages
+              (`devices=None`) over BP's unsplit K=1 time per sample, for both backward
+              policies (stash, recompute). The price of splitting and stashing, no concurrency.
+  dispatch    host time per tick of a tiny model (return from `schedule.step` without
+              blocking), divided by K: the per-stage Python + dispatch cost.
+  memory      bytes held by each stage's delay buffer (`schedule.stash_bytes`) under stash and
+              recompute, next to the parameter bytes and backprop's activation bytes.
+  speedup     predicted speed-up on K devices from per-stage forward/backward times measured
+              on one device and measured (or assumed) transfer times, for FDG, DDG and a
+              GPipe-style pipeline; next to the measured speed-up (throughput at K devices over
+              BP at K=1), flagged as not meaningful on forced CPU devices.
+  all         all of the above with shared settings, one JSON.
+
+Timing: every timed region ends with `jax.block_until_ready`; compilation is excluded by running
+2(K-1)+2 ticks first (past the pipeline fill, where the last per-stage variants compile); each
+of --repeats repetitions times --ticks ticks, and the repetitions of the schedules compared in
+one table are interleaved (round-robin), so that load from other processes hits them alike;
+tables give the median and the [min, max] spread. The input batch is placed on stage 0's
+device once, so host-to-device copies are not timed.
+
+On CPU, `--num_cpu_devices` (default 4) forced XLA:CPU devices share the machine's cores, so
+timings of several "devices" measure contention, not concurrency (see docs/results.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+ALGORITHMS = ("bp", "ddg", "fdg")
+POLICIES = ("stash", "recompute")
+
+# Memory presets: (model, model kwargs, input shape or None for the model's, batch size).
+PRESETS = {
+    "resnet20": ("resnet20", {}, None, 128),       # CIFAR-sized input
+    "resnet56": ("resnet56", {}, None, 128),
+    "mlp_digits": ("mlp", {"widths": (128, 128, 128, 128)}, (8, 8, 1), 32),  # the quick start
+    "mlp_bench": ("mlp", {"widths": (1024, 1024, 1024, 1024)}, (1024,), 128),  # the default
+}
+# The default benchmark model: four equal 1024-wide dense blocks (and a small head) on
+# 1024-dim inputs, so that a balanced split into 2 or 4 stages is exact and the speed-up
+# model is not limited by one heavy block. Small enough for CPU; use --model on GPUs.
+DEFAULT_MODEL_KWARGS = {"mlp": {"widths": [1024, 1024, 1024, 1024]}}
+DEFAULT_INPUT_SHAPE = {"mlp": [1024]}
+TINY = ("mlp", {"widths": (16, 16, 16, 16)}, (8, 8, 1), 8)  # the dispatch benchmark's model
+
+
+# ------------------------------------------------------------------------------ helpers
+def _jax():
+  import jax
+  return jax
+
+
+def spread(values: Sequence[float]) -> dict:
+  """median, min, max and relative spread (max - min) / median of repeated measurements."""
+  med = statistics.median(values)
+  return {"median": med, "min": min(values), "max": max(values),
+          "rel_spread": (max(values) - min(values)) / med if med > 0 else 0.0,
+          "values": list(values)}
+
+
+def block(tree) -> None:
+  """Waits for every device array in `tree` (host values are skipped)."""
+  jax = _jax()
+  for leaf in jax.tree.leaves(tree):
+    if hasattr(leaf, "block_until_ready"):
+      leaf.block_until_ready()
+
+
+def build_model(model_name: str, model_kwargs: dict, input_shape=None):
+  """The registered model, with `input_shape` passed to models that take one (mlp, cnn)."""
+  from fdg_jax import models
+  kwargs = dict(model_kwargs or {})
+  if input_shape is not None:
+    kwargs["input_shape"] = tuple(input_shape)
+  return models.create(model_name, num_classes=10, **kwargs)
+
+
+def build_stages(model, num_stages: int, split, batch_size: int):
+  """Stages, params and model states of `model` split into `num_stages` (`split` as in
+  `partition.boundaries`)."""
+  import jax.numpy as jnp
+  import fdg_jax
+  from fdg_jax import partition
+  x = model.example_input(batch_size)
+  bounds = partition.boundaries(model, num_stages, split, example_input=x) \
+      if num_stages > 1 else []
+  stages = partition.stages_from_boundaries(model, bounds)
+  x1 = jnp.zeros((1,) + tuple(model.input_shape), jnp.float32)
+  params, states = fdg_jax.init_stages(stages, _jax().random.PRNGKey(0), x1)
+  return bounds, stages, params, states
+
+
+def loss_fn(logits, labels):
+  import optax
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def optimizer():
+  """SGD with momentum: the papers' optimiser (its update cost is part of a tick)."""
+  import optax
+  return optax.sgd(0.01, momentum=0.9)
+
+
+def random_batch(model, batch_size: int, device=None):
+  jax = _jax()
+  kx, ky = jax.random.split(jax.random.PRNGKey(1))
+  x = jax.random.normal(kx, (batch_size,) + tuple(model.input_shape), jax.numpy.float32)
+  y = jax.random.randint(ky, (batch_size,), 0, model.num_classes, jax.numpy.int32)
+  if device is not None:
+    x, y = jax.device_put((x, y), device)
+  return x, y
+
+
+def placement_for(num_stages: int):
+  """(devices argument, label): K distinct devices when there are K, else one."""
+  devs = _jax().devices()
+  if num_stages > 1 and len(devs) >= num_stages:
+    return devs[:num_stages], f"{num_stages} devices"
+  return None, "1 device"
+
+
+def make_schedule(algorithm, stages, *, backward="stash", devices=None):
+  import fdg_jax
+  kwargs = {"devices": devices}
+  if algorithm != "bp":
+    kwargs["backward"] = backward
+  return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), **kwargs)
+
+
+def prepare(schedule, params, states, batch, warmup: int | None = None) -> dict:
+  """A schedule in its steady state, ready for `time_interleaved`.
+
+  Runs `warmup` ticks (default 2(K-1)+2: past the pipeline fill, where the last per-stage
+  variants compile) and blocks.
+  """
+  K = schedule.num_stages
+  warmup = 2 * (K - 1) + 2 if warmup is None else warmup
+  state = schedule.init(params, states, example_batch=batch)
+  m = {}
+  for _ in range(warmup):
+    state, m = schedule.step(state, batch)
+  block((state["stages"], state["inbox"], m))
+  return {"schedule": schedule, "state": state, "batch": batch, "metrics": m}
+
+
+def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> list[dict]:
+  """Per-tick seconds of every prepared schedule, the repetitions taken round-robin.
+
+  Interleaving puts every schedule's i-th repetition next to the others' in time, so a slow
+  spell of a shared machine hits all of them alike (and per-repetition ratios cancel it).
+  Returns, per entry, `step` (blocked at the end of each repetition) and `host` (the time for
+  the `ticks` calls to return, before blocking) lists, and whether the last loss is finite.
+  """
+  out = [{"step": [], "host": []} for _ in entries]
+  for _ in range(repeats):
+    for e, o in zip(entries, out):
+      schedule, state, batch = e["schedule"], e["state"], e["batch"]
+      t0 = time.perf_counter()
+      for _ in range(ticks):
+        state, m = schedule.step(state, batch)
+      t1 = time.perf_counter()
+      block((state["stages"], state["inbox"], m))
+      t2 = time.perf_counter()
+      e["state"], e["metrics"] = state, m
+      o["host"].append((t1 - t0) / ticks)
+      o["step"].append((t2 - t0) / ticks)
+  for e, o in zip(entries, out):
+    o["loss_finite"] = math.isfinite(float(e["metrics"]["loss"]))
+  return out
+
+
+def device_info() -> dict:
+  jax = _jax()
+  devs = jax.devices()
+  return {"platform": devs[0].platform, "device_kind": devs[0].device_kind,
+          "num_devices": len(devs), "devices": [str(d) for d in devs],
+          "jax": jax.__version__, "host": platform.node(), "cpu_count": os.cpu_count(),
+          # Other processes' load: timings on a shared machine are only as good as this.
+          "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+# ------------------------------------------------------------------------------ throughput
+def bench_throughput(args, model) -> list[dict]:
+  """samples/s and step time of every algorithm at every K, same model and global batch."""
+  rows, entries = [], []
+  for K in args.stages:
+    bounds, stages, params, states = build_stages(model, K, args.split, args.batch_size)
+    devices, where = placement_for(K)
+    batch = random_batch(model, args.batch_size, devices[0] if devices else None)
+    for algorithm in args.algorithms:
+      schedule = make_schedule(algorithm, stages, backward=args.backward, devices=devices)
+      entries.append(prepare(schedule, params, states, batch))
+      rows.append({
+          "algorithm": algorithm, "num_stages": K, "boundaries": bounds, "placement": where,
+          "backward": args.backward if algorithm != "bp" else None,
+          "batch_size": args.batch_size, "ticks": args.ticks, "repeats": args.repeats})
+  times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
+  for row, t in zip(rows, times):
+    row.update(step_time_s=spread(t["step"]),
+               samples_per_s=spread([args.batch_size / x for x in t["step"]]),
+               loss_finite=t["loss_finite"])
+    _progress(f"throughput {row['algorithm']} K={row['num_stages']} ({row['placement']}): "
+              f"{row['samples_per_s']['median']:.0f} samples/s")
+  del entries
+  return rows
+
+
+def throughput_table(rows) -> str:
+  lines = ["| algorithm | K | placement | step time ms, median [min, max] | samples/s median |",
+           "|---|---|---|---|---|"]
+  for r in rows:
+    s = r["step_time_s"]
+    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r['placement']} | "
+                 f"{1e3 * s['median']:.2f} [{1e3 * s['min']:.2f}, {1e3 * s['max']:.2f}] | "
+                 f"{r['samples_per_s']['median']:,.0f} |")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ overhead
+def bench_overhead(args, model) -> list[dict]:
+  """Per-sample time on ONE device of each schedule split into K stages over BP K=1's.
+
+  The ratio is taken per repetition against BP K=1's interleaved repetition, then the median.
+  """
+  dev = _jax().devices()[0]
+  batch = random_batch(model, args.batch_size, dev)
+  _, stages1, params1, states1 = build_stages(model, 1, args.split, args.batch_size)
+  rows = [{"algorithm": "bp", "num_stages": 1, "backward": None}]
+  entries = [prepare(make_schedule("bp", stages1), params1, states1, batch)]
+  for K in [k for k in args.stages if k > 1]:
+    _, stages, params, states = build_stages(model, K, args.split, args.batch_size)
+    variants = [("bp", None)] + [(a, p) for a in ("ddg", "fdg") if a in args.algorithms
+                                 for p in POLICIES]
+    for algorithm, policy in variants:
+      schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None)
+      entries.append(prepare(schedule, params, states, batch))
+      rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy})
+  times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
+  base = times[0]["step"]
+  for row, t in zip(rows, times):
+    ratios = [x / b for x, b in zip(t["step"], base)]
+    row.update(time_per_sample_s=spread([x / args.batch_size for x in t["step"]]),
+               ratio_vs_bp=statistics.median(ratios), ratio_vs_bp_spread=spread(ratios),
+               # Fastest over fastest: the least disturbed repetitions of a shared machine.
+               ratio_of_minima=min(t["step"]) / min(base))
+    _progress(f"overhead {row['algorithm']} K={row['num_stages']} {row['backward'] or ''}: "
+              f"x{row['ratio_vs_bp']:.3f}")
+  del entries
+  return rows
+
+
+def overhead_table(rows) -> str:
+  lines = ["| algorithm | K | backward | µs per sample, median [min, max] | "
+           "× BP K=1, median [min, max] | × BP K=1, min / min |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    s, q = r["time_per_sample_s"], r["ratio_vs_bp_spread"]
+    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r['backward'] or '–'} | "
+                 f"{1e6 * s['median']:.2f} [{1e6 * s['min']:.2f}, {1e6 * s['max']:.2f}] | "
+                 f"{r['ratio_vs_bp']:.3f} [{q['min']:.3f}, {q['max']:.3f}] | "
+                 f"{r['ratio_of_minima']:.3f} |")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ dispatch
+def bench_dispatch(args) -> list[dict]:
+  """Host time per tick (no blocking) of a tiny model, and per stage (÷ K)."""
+  name, kwargs, shape, batch_size = TINY
+  model = build_model(name, kwargs, shape)
+  rows, entries = [], []
+  for K in args.stages:
+    _, stages, params, states = build_stages(model, K, "uniform", batch_size)
+    devices, where = placement_for(K)
+    batch = random_batch(model, batch_size, devices[0] if devices else None)
+    for algorithm in args.algorithms:
+      schedule = make_schedule(algorithm, stages, devices=devices)
+      entries.append(prepare(schedule, params, states, batch))
+      rows.append({"algorithm": algorithm, "num_stages": K, "placement": where,
+                   "ticks": args.dispatch_ticks})
+  times = time_interleaved(entries, ticks=args.dispatch_ticks, repeats=args.repeats)
+  for row, t in zip(rows, times):
+    K = row["num_stages"]
+    row.update(host_time_per_tick_s=spread(t["host"]),
+               host_time_per_stage_tick_s=spread([h / K for h in t["host"]]),
+               step_time_s=spread(t["step"]))
+    _progress(f"dispatch {row['algorithm']} K={K}: "
+              f"{1e6 * row['host_time_per_stage_tick_s']['median']:.0f} µs/stage-tick")
+  del entries
+  return rows
+
+
+def dispatch_table(rows) -> str:
+  lines = ["| algorithm | K | placement | host µs per tick | host µs per stage per tick, "
+           "median [min, max] | blocked µs per tick |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    h, p = r["host_time_per_tick_s"], r["host_time_per_stage_tick_s"]
+    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r['placement']} | "
+                 f"{1e6 * h['median']:.0f} | {1e6 * p['median']:.0f} [{1e6 * p['min']:.0f}, "
+                 f"{1e6 * p['max']:.0f}] | {1e6 * r['step_time_s']['median']:.0f} |")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ memory
+def tree_bytes(tree) -> int:
+  return int(sum(a.size * a.dtype.itemsize for a in _jax().tree.leaves(tree)))
+
+
+def bench_memory(args) -> list[dict]:
+  """Delay-buffer bytes per stage against parameter and activation bytes, per preset."""
+  from fdg_jax import partition
+  rows = []
+  for preset in args.presets:
+    name, kwargs, shape, batch_size = PRESETS[preset]
+    model = build_model(name, kwargs, shape)
+    x = model.example_input(batch_size)
+    # Backprop's activation memory: the vjp residuals of the unsplit model for one batch.
+    whole = partition.stages_from_boundaries(model, [])[0]
+    bp_activation = partition.residual_bytes(whole, x)
+    infos = partition.block_info(model, x)
+    for K in [k for k in args.stages if k > 1]:
+      bounds, stages, params, states = build_stages(model, K, args.split, batch_size)
+      param_bytes = [tree_bytes(p) for p in params]
+      # What crosses each boundary (one activation message; the cotangent is the same size).
+      boundary = [int(infos[b - 1].output.size * infos[b - 1].output.dtype.itemsize)
+                  for b in bounds]
+      batch = (_jax().numpy.zeros(x.shape, x.dtype),
+               _jax().numpy.zeros((batch_size,), _jax().numpy.int32))
+      for algorithm in ("ddg", "fdg"):
+        for policy in POLICIES:
+          schedule = make_schedule(algorithm, stages, backward=policy, devices=None)
+          state = schedule.init(params, states, example_batch=batch)
+          stash = schedule.stash_bytes(state)
+          del state
+          total = sum(stash)
+          rows.append({
+              "preset": preset, "model": model.name, "batch_size": batch_size,
+              "input_shape": list(model.input_shape), "num_stages": K, "boundaries": bounds,
+              "algorithm": algorithm, "backward": policy, "ring_sizes": schedule.ring_sizes,
+              "stash_bytes": stash, "stash_bytes_total": total,
+              "param_bytes": param_bytes, "param_bytes_total": sum(param_bytes),
+              "bp_activation_bytes": bp_activation, "boundary_activation_bytes": boundary,
+              "stash_over_params": total / max(sum(param_bytes), 1),
+              "stash_over_bp_activations": total / max(bp_activation, 1),
+          })
+          _progress(f"memory {preset} {algorithm} K={K} {policy}: {_mib(total)}")
+  return rows
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def memory_table(rows) -> str:
+  lines = ["| model (batch) | K | schedule | backward | stash per stage (MiB) | total MiB | "
+           "× params | × BP activations |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    per = ", ".join(f"{b / 2**20:.2f}" for b in r["stash_bytes"])
+    lines.append(f"| {r['model']} ({r['batch_size']}) | {r['num_stages']} | "
+                 f"{r['algorithm'].upper()} | {r['backward']} | {per} | "
+                 f"{r['stash_bytes_total'] / 2**20:.2f} | {r['stash_over_params']:.1f} | "
+                 f"{r['stash_over_bp_activations']:.2f} |")
+  seen = {}
+  for r in rows:
+    seen.setdefault((r["model"], r["batch_size"]), r)
+  notes = [f"{m} (batch {b}): parameters {_mib(r['param_bytes_total'])}, backprop "
+           f"activations (vjp residuals of one batch) {_mib(r['bp_activation_bytes'])}"
+           for (m, b), r in seen.items()]
+  return "\n".join(lines + [""] + notes)
+
+
+# ------------------------------------------------------------------------------ speed-up model
+def _time_fn(fn: Callable, args: tuple, *, calls: int, repeats: int,
+             warm: bool = True) -> list[float]:
+  """Seconds per call of jitted `fn(*args)`, `repeats` x `calls` calls (after two untimed
+  calls that compile it, unless `warm` is False)."""
+  if warm:
+    block(fn(*args))
+    block(fn(*args))
+  out = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      r = fn(*args)
+    block(r)
+    out.append((time.perf_counter() - t0) / calls)
+  return out
+
+
+def stage_times(stages, params, states, batch, *, calls: int, repeats: int, device=None):
+  """Per-stage training forward time f_k and tick time w_k on one device, batch-sized inputs;
+  b_k = w_k - f_k. Also the bytes of the activation each stage sends.
+
+  w_k is the forward, the vjp against a cotangent (the loss gradient for the last stage) and
+  the SGD-momentum update: one FDG/DDG stage tick without the stash ring write (a copy of the
+  residuals, small next to the compute). The input cotangent is computed for stages k > 0
+  only, as in the schedules. The repetitions of all stages are interleaved.
+  """
+  jax = _jax()
+  opt = optimizer()
+  x, y = batch
+  rng = jax.random.PRNGKey(0)
+  K = len(stages)
+  jobs = []
+  for k, stage in enumerate(stages):
+    p, ms = jax.device_put((params[k], states[k]), device)
+    o = opt.init(p)
+    argnums = (0, 1) if k > 0 else (0,)
+
+    def fwd(p, ms, a, stage=stage):
+      return stage.apply(p, ms, a, train=True, rng=rng)
+
+    def tick(p, o, ms, a, cot, stage=stage, last=k == K - 1, argnums=argnums):
+      def objective(p, a):
+        out, new_ms = stage.apply(p, ms, a, train=True, rng=rng)
+        # Other stages: <cotangent, output>, the cotangent an argument so that XLA cannot
+        # simplify the backward around a constant.
+        return (loss_fn(out, y) if last else jax.numpy.vdot(cot, out)), new_ms
+      (_, new_ms), grads = jax.value_and_grad(objective, argnums, has_aux=True)(p, a)
+      u, o = opt.update(grads[0], o, p)
+      return grads[1:], jax.tree.map(lambda a, b: a + b, p, u), o, new_ms
+
+    fwd_j, tick_j = jax.jit(fwd), jax.jit(tick)
+    h = fwd_j(p, ms, x)[0]
+    cot = jax.random.normal(jax.random.PRNGKey(k), h.shape, h.dtype) if k < K - 1 else None
+    jobs.append((fwd_j, (p, ms, x), tick_j, (p, o, ms, x, cot)))
+    block(fwd_j(p, ms, x))
+    block(tick_j(p, o, ms, x, cot))
+    x = h
+  f = [[] for _ in stages]
+  w = [[] for _ in stages]
+  for _ in range(repeats):
+    for k, (fwd_j, fargs, tick_j, targs) in enumerate(jobs):
+      f[k] += _time_fn(fwd_j, fargs, calls=calls, repeats=1, warm=False)
+      w[k] += _time_fn(tick_j, targs, calls=calls, repeats=1, warm=False)
+  out = []
+  for k, (fwd_j, fargs, _, _) in enumerate(jobs):
+    h = fwd_j(*fargs)[0]
+    fk, wk = statistics.median(f[k]), statistics.median(w[k])
+    out.append({"forward_s": fk, "tick_s": wk, "backward_s": max(wk - fk, 0.0),
+                "out_bytes": int(h.size * h.dtype.itemsize)})
+  return out
+
+
+def transfer_time(nbytes: int, *, calls: int, repeats: int, link_gbps: float,
+                  link_latency_us: float) -> tuple[float, str]:
+  """Seconds to move `nbytes` between two devices: measured between devices 0 and 1 when the
+  process has two, else latency + bytes / bandwidth (an assumption, labelled as such)."""
+  jax = _jax()
+  devs = jax.devices()
+  if len(devs) < 2:
+    return link_latency_us * 1e-6 + nbytes / (link_gbps * 1e9), "assumed"
+  a = jax.device_put(jax.numpy.zeros((max(nbytes // 4, 1),), jax.numpy.float32), devs[0])
+  block(a)
+  put = lambda: jax.device_put(a, devs[1])
+  block(put())
+  runs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      b = put()
+      b.block_until_ready()
+    runs.append((time.perf_counter() - t0) / calls)
+  return statistics.median(runs), f"measured {devs[0].platform} device 0 -> 1"
+
+
+def predict(times: Sequence[dict], transfers: Sequence[float],
+            microbatches: Sequence[int] = (4, 16)) -> dict:
+  """Critical-path tick times (seconds) of K stages on K devices, and speed-ups over BP.
+
+  Args:
+    times: per stage k, {"forward_s": f_k, "backward_s": b_k, "tick_s": w_k = f_k + b_k}
+      measured on one device (the last stage's w includes the loss).
+    transfers: c_k, seconds to send stage k's output (or the same-sized cotangent) across
+      boundary k, k = 0..K-2.
+    microbatches: M values for the GPipe model.
+
+  The models (all assume links are full duplex, a transfer is not overlapped with the compute
+  of the same stage, and a stage's time does not change when it runs beside others):
+    bp:   one device, T = sum_k w_k (the baseline of every speed-up).
+    fdg:  every stage works concurrently on messages of the previous tick (ALGORITHMS.md),
+          T = max_k w_k + max_k c_k.
+    ddg:  ALGORITHMS.md's tick order with the forward before the backward on each stage:
+          the forward chain reaches stage k at a_k = sum_{j<k} (f_j + c_j); stage k < K-1
+          then does its backward (of the cotangent that arrived last tick) and sends the
+          result: done at a_k + f_k + b_k + c_{k-1}; the last stage at
+          a_{K-1} + w_{K-1} + c_{K-2}. T = max of these.
+    ddg_fused: this implementation's DDG, where a stage's backward and forward are one
+          executable (so its activation leaves after f_k + b_k) and ticks pipeline through
+          asynchronous dispatch: stage k at tick t+1 waits for stage k+1 at tick t, which
+          waited for stage k at tick t, so the steady-state tick is the heaviest cycle,
+          T = max(max_k w_k, max_k (w_k + w_{k+1} + 2 c_k)).
+    gpipe_M: synchronous pipeline, M micro-batches of B/M with per-micro-batch times f_k/M,
+          b_k/M, c_k/M (linear scaling: optimistic for small micro-batches); forward then
+          backward each take (M + K - 1) slots of the slowest stage,
+          T = (M+K-1)/M * (max f + max b + 2 max c); bubble (K-1)/(M+K-1).
+  """
+  K = len(times)
+  f = [t["forward_s"] for t in times]
+  b = [t["backward_s"] for t in times]
+  w = [t["tick_s"] for t in times]
+  c = list(transfers) + [0.0]  # c[K-1] = 0: the last stage sends nothing forward
+  cmax = max(transfers) if transfers else 0.0
+  t_bp = sum(w)
+  t_fdg = max(w) + cmax
+  a, ends = 0.0, []
+  for k in range(K - 1):
+    ends.append(a + f[k] + b[k] + (c[k - 1] if k > 0 else 0.0))
+    a += f[k] + c[k]
+  ends.append(a + w[K - 1] + (c[K - 2] if K > 1 else 0.0))
+  t_ddg = max(ends)
+  t_fused = max([max(w)] + [w[k] + w[k + 1] + 2 * c[k] for k in range(K - 1)])
+  out = {"bp": {"tick_s": t_bp, "speedup": 1.0},
+         "fdg": {"tick_s": t_fdg, "speedup": t_bp / t_fdg},
+         "ddg": {"tick_s": t_ddg, "speedup": t_bp / t_ddg},
+         "ddg_fused": {"tick_s": t_fused, "speedup": t_bp / t_fused}}
+  for M in microbatches:
+    t = (M + K - 1) / M * (max(f) + max(b) + 2 * cmax)
+    out[f"gpipe_{M}"] = {"tick_s": t, "speedup": t_bp / t, "bubble": (K - 1) / (M + K - 1)}
+  return out
+
+
+def bench_speedup(args, model, throughput_rows=None) -> dict:
+  """Predicted (critical-path) and measured speed-ups at every K in --stages."""
+  jax = _jax()
+  dev = jax.devices()[0]
+  batch = random_batch(model, args.batch_size, dev)
+  info = device_info()
+  if throughput_rows is None:
+    sub = argparse.Namespace(**{**vars(args), "algorithms": list(ALGORITHMS)})
+    throughput_rows = bench_throughput(sub, model)
+  tp = {(r["algorithm"], r["num_stages"]): r for r in throughput_rows}
+  bp1 = tp.get(("bp", 1))
+  rows = []
+  for K in args.stages:
+    bounds, stages, params, states = build_stages(model, K, args.split, args.batch_size)
+    times = stage_times(stages, params, states, batch, calls=args.ticks,
+                        repeats=args.repeats, device=dev)
+    transfers, how = [], "none (K=1)"
+    for t in times[:-1]:
+      c, how = transfer_time(t["out_bytes"], calls=args.ticks, repeats=args.repeats,
+                             link_gbps=args.link_gbps, link_latency_us=args.link_latency_us)
+      transfers.append(c)
+    pred = predict(times, transfers, args.microbatches)
+    distinct = len(jax.devices()) >= K
+    meaningful = info["platform"] != "cpu" and distinct
+    measured = {}
+    for algorithm in ("fdg", "ddg", "bp"):
+      r = tp.get((algorithm, K))
+      if r is not None and bp1 is not None:  # per interleaved repetition, then the median
+        measured[algorithm] = statistics.median(
+            b / x for b, x in zip(bp1["step_time_s"]["values"], r["step_time_s"]["values"]))
+    rows.append({"num_stages": K, "boundaries": bounds, "stage_times": times,
+                 "transfer_s": transfers, "transfer_source": how, "predicted": pred,
+                 "measured_speedup": measured, "measured_placement":
+                 tp[("fdg", K)]["placement"] if ("fdg", K) in tp else None,
+                 "measured_meaningful": meaningful,
+                 "note": None if meaningful else (
+                     "forced CPU devices share the host's cores: the measured number is "
+                     "contention, not a speed-up" if info["platform"] == "cpu" else
+                     f"fewer than {K} devices: stages share one device")})
+    _progress(f"speedup K={K}: predicted FDG x{pred['fdg']['speedup']:.2f}, "
+              f"measured {measured.get('fdg', float('nan')):.2f}")
+  return {"rows": rows, "microbatches": list(args.microbatches),
+          "link": {"gbps": args.link_gbps, "latency_us": args.link_latency_us}}
+
+
+def speedup_table(result) -> str:
+  Ms = result["microbatches"]
+  head = ("| K | stage tick ms (f+b) | transfer µs | FDG pred. | DDG pred. | DDG fused pred. | "
+          + " | ".join(f"GPipe M={m} pred. (bubble)" for m in Ms)
+          + " | FDG meas. | DDG meas. | meaningful |")
+  lines = [head, "|" + "---|" * (9 + len(Ms))]
+  for r in result["rows"]:
+    p, m = r["predicted"], r["measured_speedup"]
+    st = " / ".join(f"{1e3 * t['forward_s']:.2f}+{1e3 * t['backward_s']:.2f}"
+                    for t in r["stage_times"])
+    tr = " / ".join(f"{1e6 * c:.0f}" for c in r["transfer_s"]) or "–"
+    gp = " | ".join(f"{p[f'gpipe_{M}']['speedup']:.2f} ({p[f'gpipe_{M}']['bubble']:.2f})"
+                    for M in Ms)
+    fm = lambda a: f"{m[a]:.2f}" if a in m else "–"
+    lines.append(f"| {r['num_stages']} | {st} | {tr} | {p['fdg']['speedup']:.2f} | "
+                 f"{p['ddg']['speedup']:.2f} | {p['ddg_fused']['speedup']:.2f} | {gp} | "
+                 f"{fm('fdg')} | {fm('ddg')} | {'yes' if r['measured_meaningful'] else 'no'} |")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ CLI
+def _progress(msg: str) -> None:
+  print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m fdg_jax.bench",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("command", choices=("throughput", "overhead", "dispatch", "memory",
+                                          "speedup", "all"))
+  parser.add_argument("--model", default="mlp")
+  parser.add_argument("--model_kwargs", type=json.loads, default=None,
+                      help='JSON, e.g. \'{"widths": [512, 512]}\' (default for mlp: 4 x 1024 '
+                      'on 1024-dim inputs)')
+  parser.add_argument("--input_shape", type=int, nargs="+", default=None,
+                      help="input shape for models that take one (mlp, cnn)")
+  parser.add_argument("--batch_size", type=int, default=128, help="global batch per tick")
+  parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4], help="values of K")
+  parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS),
+                      choices=ALGORITHMS)
+  parser.add_argument("--split", default="balanced", help="uniform | balanced | paper")
+  parser.add_argument("--backward", default="stash", choices=POLICIES,
+                      help="backward policy of the throughput runs")
+  parser.add_argument("--ticks", type=int, default=20, help="timed ticks per repetition")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--dispatch_ticks", type=int, default=200)
+  parser.add_argument("--presets", nargs="+", default=["resnet20", "mlp_digits"],
+                      choices=sorted(PRESETS), help="memory benchmark models")
+  parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 16],
+                      help="M of the GPipe model")
+  parser.add_argument("--link_gbps", type=float, default=25.0,
+                      help="assumed link bandwidth (GB/s) when only one device is present")
+  parser.add_argument("--link_latency_us", type=float, default=10.0)
+  parser.add_argument("--num_cpu_devices", type=int, default=4,
+                      help="XLA:CPU devices to force (ignored on GPU/TPU)")
+  parser.add_argument("--out", default=None,
+                      help="JSON file (default bench_<command>_<platform>.json)")
+  args = parser.parse_args(argv)
+  if args.model_kwargs is None:
+    args.model_kwargs = DEFAULT_MODEL_KWARGS.get(args.model, {})
+    if args.input_shape is None:
+      args.input_shape = DEFAULT_INPUT_SHAPE.get(args.model)
+  return args
+
+
+def run(args) -> dict:
+  """Runs `args.command`; returns the JSON-ready result (also written to args.out)."""
+  # Must precede JAX's backend start; harmless on GPUs (it only concerns XLA:CPU).
+  with contextlib.suppress(Exception):
+    _jax().config.update("jax_num_cpu_devices", int(args.num_cpu_devices))
+  info = device_info()
+  model = build_model(args.model, args.model_kwargs, args.input_shape)
+  result: dict[str, Any] = {
+      "meta": {**info, "command": args.command, "model": model.name,
+               "model_kwargs": args.model_kwargs, "input_shape": list(model.input_shape),
+               "batch_size": args.batch_size, "stages": args.stages, "split": args.split,
+               "ticks": args.ticks, "repeats": args.repeats,
+               "time": time.strftime("%Y-%m-%d %H:%M:%S")}}
+  tables = []
+  cmd = args.command
+  if cmd in ("throughput", "all", "speedup"):
+    result["throughput"] = bench_throughput(args, model)
+    tables.append(("Throughput", throughput_table(result["throughput"])))
+  if cmd in ("speedup", "all"):
+    result["speedup"] = bench_speedup(args, model, result["throughput"])
+    tables.append(("Predicted and measured speed-up over BP K=1", speedup_table(
+        result["speedup"])))
+  if cmd in ("overhead", "all"):
+    result["overhead"] = bench_overhead(args, model)
+    tables.append(("Per-sample overhead on one device", overhead_table(result["overhead"])))
+  if cmd in ("dispatch", "all"):
+    result["dispatch"] = bench_dispatch(args)
+    tables.append(("Dispatch overhead (tiny model)", dispatch_table(result["dispatch"])))
+  if cmd in ("memory", "all"):
+    result["memory"] = bench_memory(args)
+    tables.append(("Delay-buffer memory", memory_table(result["memory"])))
+  if hasattr(os, "getloadavg"):
+    result["meta"]["load_average_end"] = list(os.getloadavg())
+  out = args.out or f"bench_{cmd}_{info['platform']}.json"
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(result, f, indent=1)
+  m = result["meta"]
+  print(f"{m['platform']} x{m['num_devices']} ({m['device_kind']}), model {m['model']} "
+        f"{m['model_kwargs'] or ''} input {tuple(m['input_shape'])}, batch {m['batch_size']}; "
+        f"load average {m['load_average']} -> {m.get('load_average_end')}")
+  for title, table in tables:
+    print(f"\n### {title}\n\n{table}")
+  print(f"\nwrote {out}")
+  return result
+
+
+def main(argv=None) -> int:
+  run(parse_args(argv))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,137 @@
+"""Benchmarks: the critical-path model against hand computation, the memory numbers against
+partition's residual sizes, and smoke runs of `python -m fdg_jax.bench` and
+`benchmarks/parity.py` at tiny sizes (valid JSON, expected keys, finite positive numbers; no
+timing assertions)."""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from fdg_jax import bench, partition
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _positive_finite(x):
+  return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_predict_matches_hand_computation():
+  # K=3: f = (1, 2, 1), b = (2, 3, 2), so w = (3, 5, 3); transfers c = (0.5, 0.25).
+  times = [{"forward_s": f, "backward_s": b, "tick_s": f + b}
+           for f, b in [(1.0, 2.0), (2.0, 3.0), (1.0, 2.0)]]
+  p = bench.predict(times, [0.5, 0.25], microbatches=[4])
+  assert p["bp"]["tick_s"] == 11.0
+  assert p["fdg"]["tick_s"] == 5.5                      # max w + max c
+  # DDG: stage 0 ends 0+1+2; stage 1 gets the activation at 1.5, ends 1.5+2+3+0.5;
+  # the last stage gets it at 1.5+2+0.25 = 3.75 and ends 3.75+3+0.25.
+  assert p["ddg"]["tick_s"] == 7.0
+  assert p["ddg_fused"]["tick_s"] == 9.0                # w0 + w1 + 2 c0
+  assert p["gpipe_4"]["tick_s"] == pytest.approx(6 / 4 * (2 + 3 + 1.0))
+  assert p["gpipe_4"]["bubble"] == pytest.approx(2 / 6)
+  assert p["fdg"]["speedup"] == pytest.approx(2.0)
+  # One stage: every model is BP.
+  one = bench.predict([{"forward_s": 1.0, "backward_s": 2.0, "tick_s": 3.0}], [], [4])
+  assert {k: v["speedup"] for k, v in one.items()} == {
+      "bp": 1.0, "fdg": 1.0, "ddg": 1.0, "ddg_fused": 1.0, "gpipe_4": 1.0}
+
+
+@pytest.fixture(scope="module")
+def bench_result(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "all.json"
+  args = bench.parse_args([
+      "all", "--model_kwargs", '{"widths": [16, 16, 16]}', "--input_shape", "8", "8", "1",
+      "--batch_size", "8", "--stages", "1", "2", "--algorithms", "bp", "fdg", "--ticks", "2", "--repeats", "2",
+      "--dispatch_ticks", "3", "--presets", "mlp_digits", "--microbatches", "4",
+      "--out", str(out)])
+  bench.run(args)
+  with open(out) as f:
+    return json.load(f)
+
+
+def test_bench_all_writes_expected_json(bench_result):
+  r = bench_result
+  assert set(r) == {"meta", "throughput", "speedup", "overhead", "dispatch", "memory"}
+  assert r["meta"]["platform"] == "cpu" and r["meta"]["num_devices"] == 4
+  assert {(t["algorithm"], t["num_stages"]) for t in r["throughput"]} == {
+      (a, k) for a in ("bp", "fdg") for k in (1, 2)}
+  for t in r["throughput"]:
+    assert t["loss_finite"]
+    for key in ("step_time_s", "samples_per_s"):
+      assert all(_positive_finite(t[key][s]) for s in ("median", "min", "max"))
+  assert {t["placement"] for t in r["throughput"] if t["num_stages"] == 2} == {"2 devices"}
+
+  rows = r["speedup"]["rows"]
+  assert [row["num_stages"] for row in rows] == [1, 2]
+  for row in rows:
+    assert set(row["predicted"]) == {"bp", "fdg", "ddg", "ddg_fused", "gpipe_4"}
+    assert all(_positive_finite(v["speedup"]) for v in row["predicted"].values())
+    assert not row["measured_meaningful"]  # forced CPU devices
+    assert set(row["measured_speedup"]) == {"bp", "fdg"}
+  assert len(rows[1]["transfer_s"]) == 1 and _positive_finite(rows[1]["transfer_s"][0])
+  assert rows[1]["transfer_source"].startswith("measured")
+
+  variants = {(o["algorithm"], o["num_stages"], o["backward"]) for o in r["overhead"]}
+  assert variants == {("bp", 1, None), ("bp", 2, None), ("fdg", 2, "stash"),
+                      ("fdg", 2, "recompute")}
+  assert all(_positive_finite(o["ratio_vs_bp"]) and _positive_finite(o["ratio_of_minima"])
+             for o in r["overhead"])
+
+  for d in r["dispatch"]:
+    per_stage, per_tick = d["host_time_per_stage_tick_s"], d["host_time_per_tick_s"]
+    assert _positive_finite(per_stage["median"])
+    assert per_stage["median"] == pytest.approx(per_tick["median"] / d["num_stages"])
+
+
+def test_memory_matches_residual_sizes(bench_result):
+  """stash_bytes = ring x slot + ring int32 batch indices, slot from `partition`."""
+  rows = bench_result["memory"]
+  assert {(m["algorithm"], m["backward"]) for m in rows} == {
+      (a, p) for a in ("ddg", "fdg") for p in ("stash", "recompute")}
+  name, kwargs, shape, batch_size = bench.PRESETS["mlp_digits"]
+  model = bench.build_model(name, kwargs, shape)
+  x = model.example_input(batch_size)
+  for m in rows:
+    K, bounds = m["num_stages"], m["boundaries"]
+    rings = [partition.ring_length(k, K, m["algorithm"]) if k < K - 1 else 0 for k in range(K)]
+    assert list(m["ring_sizes"]) == rings
+    if m["backward"] == "stash":
+      slots = partition.slot_bytes(model, bounds, x)
+    else:  # the stage input and a raw PRNG key (uint32[2])
+      infos = partition.block_info(model, x)
+      slots = [int(np.prod(infos[a].input.shape)) * 4 + 8
+               for a, _ in partition.stage_ranges(bounds, model.num_blocks)]
+    assert m["stash_bytes"] == [r * (s + 4) for r, s in zip(rings, slots)]
+    assert m["param_bytes_total"] == 4 * sum(
+        partition.param_count(i.params) for i in partition.block_info(model, x))
+    assert m["bp_activation_bytes"] > 0
+
+
+def test_parity_smoke(tmp_path):
+  spec = importlib.util.spec_from_file_location("parity", ROOT / "benchmarks" / "parity.py")
+  parity = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(parity)
+  out, png = tmp_path / "parity.json", tmp_path / "parity.png"
+  rc = parity.main([
+      "--seeds", "0", "--stages", "2", "--betas", "1.0", "0.5", "--side_lrs", "0.1",
+      "--side_betas", "1.0", "--side_stages", "2", "--set", "num_epochs=1", "--set", "batch_size=256",
+      "--set", "model_kwargs.widths=(8, 8)", "--workdir", str(tmp_path / "runs"),
+      "--out", str(out), "--plot", str(png)])
+  assert rc == 0
+  with open(out) as f:
+    r = json.load(f)
+  assert r["beta_search"]["chosen"]["2"] in (1.0, 0.5)
+  assert len(r["beta_search"]["rows"]) == 2
+  methods = [row["method"] for row in r["summary"]]
+  assert methods[:3] == ["BP K=1", "DDG K=2", "FDG K=2 β=1"]
+  for row in r["summary"] + r["side_summary"]:
+    assert 0.0 <= row["test_accuracy_mean"] <= 1.0 and _positive_finite(row["wall_time_mean"])
+  assert {row["method"] for row in r["side_summary"]} == {
+      "BP K=1 m=0.9 lr=0.1", "FDG K=2 β=1 m=0.9 lr=0.1"}
+  assert all(run["curve"] and run["curve"][-1]["epoch"] == 1 for run in r["runs"]
+             if not run["diverged"])
+  assert png.exists() and 0 < png.stat().st_size < 300_000
