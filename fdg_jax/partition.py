@@ -44,11 +44,17 @@ _CACHE: dict = {}
 
 # ----------------------------------------------------------------------------- boundaries
 def ring_length(stage: int, num_stages: int, schedule: str = "fdg") -> int:
-  """Stash slots of stage `stage`: 2(K-1-k) under FDG, K-1-k under DDG (ALGORITHMS.md)."""
+  """Stash slots of stage `stage` (k < K-1) as `fdg_jax.ring_size` allocates them.
+
+  FDG: 2(K-1-k). DDG: K-k, one more than the K-1-k entries held between ticks, because a
+  DDG stage stashes its forward of the new batch before its backward frees the oldest slot.
+  """
   if schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
   d = num_stages - 1 - stage
-  return 2 * d if schedule == "fdg" else d
+  if d == 0:
+    return 0  # the last stage's loss and backward are immediate
+  return 2 * d if schedule == "fdg" else d + 1
 
 
 def stage_ranges(bounds: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
@@ -109,9 +115,8 @@ def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] 
     memory: per-block stash bytes per slot; needed when memory_weight > 0.
     memory_weight: w in [0, 1]. Stage k's cost is
       (1 - w) * C_k / sum(C) + w * ring_k * M_k / (ring_0 * sum(M)),
-      with ring_k = 2(K-1-k) the FDG stash length (DDG's is half of it for every stage, so the
-      normalised term, and the optimum, are the same). w = 0 balances compute, w = 1 minimises
-      the largest stash.
+      with ring_k = 2(K-1-k) the FDG stash length (the memory-aware balance targets FDG, whose
+      stash is the larger). w = 0 balances compute, w = 1 minimises the largest stash.
 
   Returns:
     K-1 boundaries.

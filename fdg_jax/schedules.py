@@ -4,7 +4,7 @@ Design. The network is K stages (`fdg_jax.Stage`). Each stage k has its own stat
 
     params, model_state, opt_state, rng,
     stash:        the ring buffer of delayed-backward entries, every leaf with a leading axis
-                  of length D_k (D_k = 1 for BP, K-1-k for DDG, 2(K-1-k) for FDG; the last
+                  of length D_k (D_k = 1 for BP, K-k for DDG, 2(K-1-k) for FDG; the last
                   stage has none),
     stash_batch:  int32[D_k], which batch each slot belongs to,
     pushes, pops: int32 counters; the next slot written is pushes % D_k, read pops % D_k.
@@ -56,6 +56,11 @@ def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
   """Slots in stage `stage`'s stash (the last stage keeps none: its loss is immediate)."""
   if stage == num_stages - 1:
     return 0
+  if algorithm == "ddg":
+    # Between ticks a DDG stage holds K-1-k entries; within a tick its forward of b_t is
+    # stashed before the backward frees the oldest slot (separate calls, so the forward's
+    # activation is not held back by the backward): one more slot.
+    return delay(algorithm, stage, num_stages) + 1
   return 1 if algorithm == "bp" else delay(algorithm, stage, num_stages)
 
 
@@ -167,8 +172,9 @@ class Schedule:
 
     Signature: (stage_state, activation_msg, cotangent) ->
                (stage_state, activation_msg_out, cotangent_out, batch_updated).
-    Under FDG the forward uses the parameters just updated by the backward; under DDG it
-    uses those at the start of the tick (its forward precedes the backward).
+    Under FDG the forward uses the parameters just updated by the backward. DDG and BP call
+    the forward and the backward separately (forward first, with the parameters at the
+    start of the tick).
     """
     key = (k, do_forward, do_backward)
     if key in self._step_fns:
@@ -431,17 +437,23 @@ class Schedule:
         new_inbox[k][kind] = m
 
     elif self.algorithm == "ddg":
+      # The forward of b_t runs through every stage within the tick, so each stage's forward
+      # is its own call: its activation can leave as soon as it is computed, while the
+      # stage's delayed backward (a separate call, dispatched after all forwards) runs
+      # concurrently with the forwards of the stages above it.
       act = batch_msg
       for k in range(K - 1):
-        do_bwd = t >= K - 1 - k
-        stages[k], act_out, cot_out, updated[k] = self._stage_fn(k, True, do_bwd)(
-            stages[k], act, inbox[k]["cot"] if do_bwd else None)
+        stages[k], act_out, _, _ = self._stage_fn(k, True, False)(stages[k], act, None)
         act = P.put_batch(k + 1, act_out)
-        if cot_out is not None:
-          new_inbox[k - 1]["cot"] = P.put_batch(k - 1, cot_out)
       cot = run_last(act)
       if cot is not None:
         new_inbox[K - 2]["cot"] = P.put_batch(K - 2, cot)
+      for k in reversed(range(K - 1)):
+        if t >= K - 1 - k:  # stage k+1 sent a cotangent at tick t-1
+          stages[k], _, cot_out, updated[k] = self._stage_fn(k, False, True)(
+              stages[k], None, inbox[k]["cot"])
+          if cot_out is not None:
+            new_inbox[k - 1]["cot"] = P.put_batch(k - 1, cot_out)
 
     else:  # bp: the whole forward and backward of b_t within the tick
       act = batch_msg

@@ -216,12 +216,14 @@ def test_stash_bytes():
   bounds = [1, 2, 3]
   fdg = partition.stash_bytes(m, bounds, x, "fdg")
   ddg = partition.stash_bytes(m, bounds, x, "ddg")
-  assert fdg == [2 * d for d in ddg] and fdg[-1] == 0 and all(v > 0 for v in fdg[:-1])
+  slots = partition.slot_bytes(m, bounds, x)
+  assert fdg == [slots[k] * 2 * (3 - k) for k in range(4)] and fdg[-1] == 0
+  assert ddg == [slots[k] * (4 - k) for k in range(3)] + [0]
+  assert all(v > 0 for v in fdg[:-1])
   for k in range(4):
     for alg in ("fdg", "ddg"):
       assert partition.ring_length(k, 4, alg) == sched.ring_size(alg, k, 4)
   # A slot holds at least the stage input (a conv's backward needs it) and the weights.
-  slots = partition.slot_bytes(m, bounds, x)
   assert slots[0] >= x.size * 4 + (3 * 3 * 3 * 4 + 4) * 4
   # Independent count: the residual leaves of a concrete vjp of the first stage.
   st = partition.split(m, 4, bounds)[0]
@@ -281,7 +283,8 @@ def test_summary_cli(capsys):
   assert st0["params"] == 32 * 32 * 3 * 256 + 256 and st1["params"] == 256 * 256 + 256 + 2570
   assert st0["flops_per_sample"] == pytest.approx(2 * 32 * 32 * 3 * 256, rel=0.01)
   assert st0["activation_bytes_per_sample"] == 256 * 4
-  assert st0["fdg_stash_bytes"] == 2 * st0["ddg_stash_bytes"] > 0 and st1["fdg_stash_bytes"] == 0
+  # K=2: FDG's ring has 2(K-1) = 2 slots and DDG's K = 2 slots.
+  assert st0["fdg_stash_bytes"] == st0["ddg_stash_bytes"] > 0 and st1["fdg_stash_bytes"] == 0
   assert s["imbalance"] >= 1.0
   assert summary_main(["--model", "cnn", "--num-stages", "3"]) == 0
   out = capsys.readouterr().out
