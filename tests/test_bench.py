@@ -30,14 +30,79 @@ def test_predict_matches_hand_computation():
   # DDG: stage 0 ends 0+1+2; stage 1 gets the activation at 1.5, ends 1.5+2+3+0.5;
   # the last stage gets it at 1.5+2+0.25 = 3.75 and ends 3.75+3+0.25.
   assert p["ddg"]["tick_s"] == 7.0
-  assert p["ddg_fused"]["tick_s"] == 9.0                # w0 + w1 + 2 c0
+  # Asynchronous ticks: stage 1 alone (w1 = 5) is the heaviest cycle; the windows
+  # (3+5+1)/2, (5+3+0.5)/2 and (11+1.5)/3 are lighter.
+  assert p["ddg_async"]["tick_s"] == 5.0
+  assert p["fdg_async"]["tick_s"] == 5.0                # max(5, (3+5+1)/2, (5+3+0.5)/2)
   assert p["gpipe_4"]["tick_s"] == pytest.approx(6 / 4 * (2 + 3 + 1.0))
   assert p["gpipe_4"]["bubble"] == pytest.approx(2 / 6)
   assert p["fdg"]["speedup"] == pytest.approx(2.0)
+  # Transfers dominating: w = 1 per stage, c = 3 per boundary.
+  slow = bench.predict([{"forward_s": 0.5, "backward_s": 0.5, "tick_s": 1.0}] * 3, [3.0, 3.0],
+                       microbatches=[4])
+  assert slow["fdg"]["tick_s"] == 4.0 and slow["fdg_async"]["tick_s"] == 4.0  # (1+1+6)/2
+  assert slow["ddg"]["tick_s"] == 11.0                  # 0.5+3+0.5+3, then 1+3
+  assert slow["ddg_async"]["tick_s"] == 5.0             # the whole chain: (3+12)/3
   # One stage: every model is BP.
   one = bench.predict([{"forward_s": 1.0, "backward_s": 2.0, "tick_s": 3.0}], [], [4])
   assert {k: v["speedup"] for k, v in one.items()} == {
-      "bp": 1.0, "fdg": 1.0, "ddg": 1.0, "ddg_fused": 1.0, "gpipe_4": 1.0}
+      "bp": 1.0, "fdg": 1.0, "ddg": 1.0, "ddg_async": 1.0, "fdg_async": 1.0, "gpipe_4": 1.0}
+
+
+def _simulate(algorithm, f, b, c, ticks=3000):
+  """Steady-state tick of the schedule's calls with asynchronous dispatch: each call starts
+  when its device has finished its previous call and its inputs have arrived (+ c)."""
+  K = len(f)
+  w = [x + y for x, y in zip(f, b)]
+  dev = [0.0] * K              # when each device finishes its last call
+  cot = [0.0] * K              # when the cotangent for stage k (sent last tick) arrives
+  act = [0.0] * K              # FDG: when the activation for stage k (sent last tick) arrives
+  marks = []
+  for _ in range(ticks):
+    new_cot = [0.0] * K
+    if algorithm == "ddg":
+      ready = 0.0                                  # the batch is on device 0
+      for k in range(K - 1):                       # forwards, in dispatch order
+        dev[k] = max(dev[k], ready) + f[k]
+        ready = dev[k] + c[k]
+      dev[K - 1] = max(dev[K - 1], ready) + w[K - 1]  # the loss step
+      if K > 1:
+        new_cot[K - 2] = dev[K - 1] + c[K - 2]
+      for k in reversed(range(K - 1)):             # delayed backwards
+        dev[k] = max(dev[k], cot[k]) + b[k]
+        if k > 0:
+          new_cot[k - 1] = dev[k] + c[k - 1]
+    else:  # fdg: one call per stage on last tick's messages
+      new_act = [0.0] * K
+      for k in range(K):
+        dev[k] = max(dev[k], act[k], cot[k]) + w[k]
+        if k < K - 1:
+          new_act[k + 1] = dev[k] + c[k]
+        if k > 0:
+          new_cot[k - 1] = dev[k] + c[k - 1]
+      act = new_act
+    cot = new_cot
+    marks.append(dev[K - 1])
+  half = ticks // 2
+  return (marks[-1] - marks[half - 1]) / (ticks - half)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_async_models_match_simulation(seed):
+  """The closed forms of ddg_async and fdg_async against an event simulation of the calls."""
+  rng = np.random.default_rng(seed)
+  K = 2 + seed % 4
+  f, b = rng.uniform(0.2, 2.0, K), rng.uniform(0.2, 3.0, K)
+  c = rng.uniform(0.0, (0.5, 3.0, 10.0)[seed % 3], K - 1)
+  times = [{"forward_s": x, "backward_s": y, "tick_s": x + y} for x, y in zip(f, b)]
+  p = bench.predict(times, list(c), microbatches=[4])
+  for algorithm in ("ddg", "fdg"):
+    assert _simulate(algorithm, f, b, list(c)) == pytest.approx(
+        p[f"{algorithm}_async"]["tick_s"], rel=1e-2), algorithm
+  # Transfers dominating: DDG's whole chain (3 stages, 2 ticks of round trips) is the cycle.
+  f3, c3 = [0.5] * 3, [3.0, 3.0]
+  assert _simulate("ddg", f3, f3, c3) == pytest.approx(5.0, rel=1e-2)
+  assert _simulate("fdg", f3, f3, c3) == pytest.approx(4.0, rel=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +133,7 @@ def test_bench_all_writes_expected_json(bench_result):
   rows = r["speedup"]["rows"]
   assert [row["num_stages"] for row in rows] == [1, 2]
   for row in rows:
-    assert set(row["predicted"]) == {"bp", "fdg", "ddg", "ddg_fused", "gpipe_4"}
+    assert set(row["predicted"]) == {"bp", "fdg", "ddg", "fdg_async", "ddg_async", "gpipe_4"}
     assert all(_positive_finite(v["speedup"]) for v in row["predicted"].values())
     assert not row["measured_meaningful"]  # forced CPU devices
     assert set(row["measured_speedup"]) == {"bp", "fdg"}
