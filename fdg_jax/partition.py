@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdg_jax.models import BlockRange, Model
-from fdg_jax.stages import Stage
+from fdg_jax.delays import ring_size
+from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
 SPLITS = ("uniform", "balanced", "paper")
@@ -44,17 +45,14 @@ _CACHE: dict = {}
 
 # ----------------------------------------------------------------------------- boundaries
 def ring_length(stage: int, num_stages: int, schedule: str = "fdg") -> int:
-  """Stash slots of stage `stage` (k < K-1) as `fdg_jax.ring_size` allocates them.
+  """Stash slots of stage `stage` as the schedules allocate them (`fdg_jax.ring_size`).
 
   FDG: 2(K-1-k). DDG: K-k, one more than the K-1-k entries held between ticks, because a
   DDG stage stashes its forward of the new batch before its backward frees the oldest slot.
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
-  d = num_stages - 1 - stage
-  if d == 0:
-    return 0  # the last stage's loss and backward are immediate
-  return 2 * d if schedule == "fdg" else d + 1
+  return ring_size(schedule, stage, num_stages)
 
 
 def stage_ranges(bounds: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
@@ -306,20 +304,12 @@ def stage_structs(stage: Stage, x) -> tuple[PyTree, PyTree, jax.ShapeDtypeStruct
   return p, s, y
 
 
-def _training_vjp(stage, p, s, x, rng):
-  # The same vjp the schedules stash: w.r.t. params, input and (model state, rng).
-  def f(p, a, extra):
-    ms, r = extra
-    return stage.apply(p, ms, a, train=True, rng=r)
-  return jax.vjp(f, p, x, (s, rng), has_aux=True)
-
-
 def residual_bytes(stage: Stage, x) -> int:
   """Bytes of one stash slot of `stage` on input batch `x` (its training vjp's residuals)."""
   p, s, _ = stage_structs(stage, x)
 
   def residuals(p, s, x):
-    _, vjp_fn, _ = _training_vjp(stage, p, s, x, jax.random.key(0))
+    _, vjp_fn, _ = training_vjp(stage, p, s, x, jax.random.key(0))
     return jax.tree.leaves(vjp_fn)
 
   leaves = jax.eval_shape(residuals, p, s, _struct(x))
@@ -329,7 +319,7 @@ def residual_bytes(stage: Stage, x) -> int:
 def _tick_fn(stage):
   """One tick's work for a stage: training forward, then backward with a ones cotangent."""
   def tick(p, s, x, rng):
-    y, vjp_fn, new_s = _training_vjp(stage, p, s, x, rng)
+    y, vjp_fn, new_s = training_vjp(stage, p, s, x, rng)
     grads = vjp_fn(jax.tree.map(jnp.ones_like, y))
     return y, new_s, grads
   return tick

@@ -39,29 +39,12 @@ import optax
 
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
-from fdg_jax.stages import Stage
+from fdg_jax.delays import delay, ring_size
+from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
 BACKWARD_POLICIES = ("stash", "recompute")
-
-
-def delay(algorithm: str, stage: int, num_stages: int) -> int:
-  """Ticks between stage `stage` forwarding a batch and applying that batch's gradient."""
-  d = num_stages - 1 - stage
-  return {"bp": 0, "ddg": d, "fdg": 2 * d}[algorithm]
-
-
-def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
-  """Slots in stage `stage`'s stash (the last stage keeps none: its loss is immediate)."""
-  if stage == num_stages - 1:
-    return 0
-  if algorithm == "ddg":
-    # Between ticks a DDG stage holds K-1-k entries; within a tick its forward of b_t is
-    # stashed before the backward frees the oldest slot (separate calls, so the forward's
-    # activation is not held back by the backward): one more slot.
-    return delay(algorithm, stage, num_stages) + 1
-  return 1 if algorithm == "bp" else delay(algorithm, stage, num_stages)
 
 
 def classification_metrics(outputs, labels) -> dict:
@@ -94,6 +77,8 @@ class Schedule:
       raise TypeError("stages must be fdg_jax.Stage objects (see Stage.from_fn / from_linen)")
     if not 0.0 < beta <= 1.0:
       raise ValueError(f"beta must lie in (0, 1], got {beta}")
+    if algorithm != "fdg" and beta != 1.0:
+      raise ValueError(f"beta (gradient shrinking) is an FDG option; {algorithm} takes none")
     self.algorithm = algorithm
     self.stages = stages
     self.num_stages = len(stages)
@@ -133,14 +118,8 @@ class Schedule:
 
   # ------------------------------------------------------------------ pure pieces
   def _vjp(self, k, params, model_state, x, rng):
-    """vjp of stage k's training forward w.r.t. (params, x, (model_state, rng))."""
-    stage = self.stages[k]
-
-    def f(p, a, extra):
-      ms, r = extra
-      return stage.apply(p, ms, a, train=True, rng=r)
-
-    return jax.vjp(f, params, x, (model_state, rng), has_aux=True)
+    """vjp of stage k's training forward (see `fdg_jax.stages.training_vjp`)."""
+    return training_vjp(self.stages[k], params, model_state, x, rng)
 
   def _forward(self, k, params, model_state, x, rng):
     """Stage k's training forward. Returns (y, new model state, stash entry)."""
@@ -393,7 +372,7 @@ class Schedule:
       update), and, once a batch reaches the loss, `loss`, `batch` (its index) and the
       `metrics_fn` values (default `accuracy`) of that batch.
     """
-    K, P = self.num_stages, self.placement
+    K, P, delays = self.num_stages, self.placement, self.delays
     # In a multi-process run `batch` is this process's slice; batch_msg is the global batch.
     batch_msg = P.put_batch(0, tuple(batch))
     if state["inbox"] is None:
@@ -418,7 +397,8 @@ class Schedule:
       # one batched device_put: its host cost per call dominates the dispatch of small stages.
       outgoing = []  # (receiving stage, "act" | "cot", message)
       for k in range(K - 1):
-        do_fwd, do_bwd = t >= k, t >= 2 * (K - 1) - k
+        # Stage k forwards batch t-k; its first cotangent arrives d_k ticks after its first forward.
+        do_fwd, do_bwd = t >= k, t >= k + delays[k]
         if not (do_fwd or do_bwd):
           continue
         act = batch_msg if k == 0 else inbox[k]["act"]
@@ -449,7 +429,7 @@ class Schedule:
       if cot is not None:
         new_inbox[K - 2]["cot"] = P.put_batch(K - 2, cot)
       for k in reversed(range(K - 1)):
-        if t >= K - 1 - k:  # stage k+1 sent a cotangent at tick t-1
+        if t >= delays[k]:  # stage k+1 sent a cotangent at tick t-1
           stages[k], _, cot_out, updated[k] = self._stage_fn(k, False, True)(
               stages[k], None, inbox[k]["cot"])
           if cot_out is not None:

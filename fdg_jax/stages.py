@@ -85,6 +85,21 @@ class Stage:
     return cls(apply=apply, init=init, name=name or type(module).__name__)
 
 
+def training_vjp(stage: Stage, params, model_state, x, rng):
+  """`jax.vjp` of `stage`'s training forward w.r.t. (params, x, (model_state, rng)).
+
+  Returns (y, vjp_fn, new_model_state). Its residuals (the leaves of `vjp_fn`) are what a
+  delayed-gradient stash keeps per slot; the model state and RNG are primal inputs rather than
+  closed-over values so that the residuals are the vjp's only leaves.
+  """
+
+  def f(p, a, extra):
+    ms, r = extra
+    return stage.apply(p, ms, a, train=True, rng=r)
+
+  return jax.vjp(f, params, x, (model_state, rng), has_aux=True)
+
+
 def init_stages(stages: Sequence[Stage], rng: jax.Array, x: PyTree):
   """Initialises every stage in turn on an example input `x` (only its shape matters).
 

@@ -1,0 +1,25 @@
+"""How stale each stage's gradient is, and how many stash slots that takes.
+
+Shared by the schedules (which allocate the rings) and the partitioner (which sizes them
+before anything is allocated).
+"""
+
+from __future__ import annotations
+
+
+def delay(algorithm: str, stage: int, num_stages: int) -> int:
+  """Ticks between stage `stage` forwarding a batch and applying that batch's gradient."""
+  d = num_stages - 1 - stage
+  return {"bp": 0, "ddg": d, "fdg": 2 * d}[algorithm]
+
+
+def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
+  """Slots in stage `stage`'s stash (the last stage keeps none: its loss is immediate)."""
+  if stage == num_stages - 1:
+    return 0
+  if algorithm == "ddg":
+    # Between ticks a DDG stage holds K-1-k entries; within a tick its forward of b_t is
+    # stashed before the backward frees the oldest slot (separate calls, so the forward's
+    # activation is not held back by the backward): one more slot.
+    return delay(algorithm, stage, num_stages) + 1
+  return 1 if algorithm == "bp" else delay(algorithm, stage, num_stages)
