@@ -26,12 +26,8 @@ def main(argv):
   # the progress bar and errors.
   logging.set_verbosity(logging.ERROR)
   # CPU devices must be requested before JAX starts its backends.
-  # (A launcher's JAX_NUM_CPU_DEVICES wins: it sizes every process of a multi-process run.)
-  import jax
-  n = int(config.get("num_cpu_devices", 1) or 1)
-  if n > 1 and "JAX_NUM_CPU_DEVICES" not in os.environ:
-    jax.config.update("jax_num_cpu_devices", n)
   from fdg_jax import runtime, trainer
+  trainer.setup_cpu_devices(int(config.get("num_cpu_devices", 1) or 1))
   runtime.initialize()  # joins a multi-process run (jax.distributed) when launched as one
   from fdg_jax.data import DatasetNotFoundError
 

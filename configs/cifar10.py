@@ -46,7 +46,6 @@ BEST_BETA = {
     ("cifar100", "resnet56", 2): 0.4, ("cifar100", "resnet110", 2): 0.5,
     ("cifar100", "resnet18", 2): 0.5,
 }
-PAPER_SPLITS = {("resnet56", 2), ("resnet56", 4), ("resnet110", 4), ("wrn28_10", 2)}
 
 
 def parse_args(arg: str | None) -> dict:
@@ -77,7 +76,10 @@ def make(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
   c.algorithm = algorithm
   c.beta = float(args.get("beta", BEST_BETA.get((dataset, model, k), 1.0)
                           if algorithm == "fdg" else 1.0))
-  c.split = args.get("split", "paper" if (model, k) in PAPER_SPLITS else "balanced")
+  # The FDG reference code's hand split where it has one (the model knows its paper splits).
+  from fdg_jax import models
+  has_paper = k in models.create(model).paper_splits
+  c.split = args.get("split", "paper" if has_paper else "balanced")
   c.batch_size = 128
   c.num_epochs = 300
   c.optimizer = "sgd"

@@ -51,19 +51,16 @@ def validate(config) -> None:
   if K > model.num_blocks:
     _fail(f"num_stages={K} exceeds the {model.num_blocks} blocks of {config.model}; use at "
           f"most {model.num_blocks} stages or a deeper model")
-  split = config.split
-  if isinstance(split, str) and split and split[0].isdigit():
+  from fdg_jax import partition
+  try:
+    split = partition.parse_split(config.split)
+  except ValueError as e:
+    _fail(str(e))
+  if isinstance(split, list):
     try:
-      bounds = [int(b) for b in split.split(",")]
-    except ValueError:
-      _fail(f"split={split!r}: explicit boundaries are comma-separated integers, e.g. 3,6,9")
-    from fdg_jax import partition
-    try:
-      partition.check_boundaries(bounds, K, model.num_blocks)
+      partition.check_boundaries(split, K, model.num_blocks)
     except ValueError as e:
-      _fail(f"split={split!r}: {str(e).splitlines()[0]}")
-  elif split not in ("uniform", "balanced", "paper"):
-    _fail(f"unknown split {split!r}; use uniform, balanced, paper or boundaries like 3,6,9")
+      _fail(f"split={config.split!r}: {str(e).splitlines()[0]}")
   elif split == "paper" and K > 1 and K not in model.paper_splits:
     _fail(f"no paper split of {config.model} into {K} stages; use --config.split=balanced")
   if config.num_replicas < 1:
@@ -88,5 +85,19 @@ def validate(config) -> None:
     _fail(f"unknown lr_schedule {config.lr_schedule!r}; use constant, multistep or cosine")
   if config.warmup_epochs < 0 or config.warmup_epochs > config.num_epochs:
     _fail(f"warmup_epochs={config.warmup_epochs} must lie in [0, num_epochs]")
-  if config.checkpoint_every_steps < 1 or config.eval_every_epochs < 1:
-    _fail("checkpoint_every_steps and eval_every_epochs must be >= 1")
+  for key in ("checkpoint_every_steps", "eval_every_epochs", "log_every_steps",
+              "eval_batch_size"):
+    if key in config and (not isinstance(config[key], int) or config[key] < 1):
+      _fail(f"{key}={config[key]} must be an integer >= 1")
+  if "max_steps" in config and (not isinstance(config.max_steps, int) or config.max_steps == 0
+                                or config.max_steps < -1):
+    _fail(f"max_steps={config.max_steps} must be -1 (run num_epochs) or a positive integer")
+  if "lr_gamma" in config and not 0.0 < config.lr_gamma <= 1.0:
+    _fail(f"lr_gamma={config.lr_gamma} must lie in (0, 1]")
+  if "lr_milestones" in config:
+    try:
+      milestones = [float(m) for m in config.lr_milestones]
+    except (TypeError, ValueError):
+      _fail(f"lr_milestones={config.lr_milestones!r} must be a sequence of epochs")
+    if milestones != sorted(milestones) or any(m <= 0 for m in milestones):
+      _fail(f"lr_milestones={tuple(milestones)} must be increasing positive epochs")

@@ -55,6 +55,20 @@ def ring_length(stage: int, num_stages: int, schedule: str = "fdg") -> int:
   return ring_size(schedule, stage, num_stages)
 
 
+def parse_split(text):
+  """A split given as text: "uniform" | "balanced" | "paper", or boundaries like "3,6,9".
+
+  Non-strings (an explicit list) pass through. Raises ValueError on anything else.
+  """
+  if not isinstance(text, str) or text in SPLITS:
+    return text
+  try:
+    return [int(t) for t in text.split(",")]
+  except ValueError:
+    raise ValueError(f"split must be one of {', '.join(SPLITS)} or comma-separated block "
+                     f"indices such as 3,6,9; got {text!r}") from None
+
+
 def stage_ranges(bounds: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
   """[(start, stop)] block ranges of the stages given by `bounds`."""
   edges = [0, *bounds, num_blocks]

@@ -119,13 +119,10 @@ class _UsageError(Exception):
 
 
 def _parse_split(text: str):
-  if text in partition.SPLITS:
-    return text
   try:
-    return [int(t) for t in text.split(",")]
-  except ValueError:
-    raise _UsageError(f"--split must be one of {', '.join(partition.SPLITS)} or comma-separated "
-                      f"block indices, got {text!r}") from None
+    return partition.parse_split(text)
+  except ValueError as e:
+    raise _UsageError(f"--{e}") from None
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 import time
@@ -54,7 +53,10 @@ def loss_fn(logits, labels):
 
 # ------------------------------------------------------------------------------ set-up
 def setup_cpu_devices(n: int) -> None:
-  """Asks XLA:CPU for `n` devices (effective only before JAX's backends start)."""
+  """Asks XLA:CPU for `n` devices (effective only before JAX's backends start).
+
+  A launcher's JAX_NUM_CPU_DEVICES wins: it sizes every process of a multi-process run.
+  """
   if n and n > 1 and "JAX_NUM_CPU_DEVICES" not in os.environ:
     with contextlib.suppress(Exception):
       jax.config.update("jax_num_cpu_devices", int(n))
@@ -86,19 +88,12 @@ def choose_placement(num_stages: int, num_replicas: int):
   return {"devices": None}
 
 
-def parse_split(split: str):
-  """"uniform" | "balanced" | "paper" | "3,6,9" (explicit boundaries)."""
-  if isinstance(split, str) and split and split[0].isdigit():
-    return [int(b) for b in split.split(",")]
-  return split
-
-
 def build(config, train_ds):
   """Model, stages, initial params, and the schedule, from a validated config."""
   kwargs = dict(config.get("model_kwargs", {}) or {})
   model = models.create(config.model, num_classes=train_ds.num_classes, **kwargs)
   x1 = jnp.zeros((1,) + tuple(train_ds.image_shape), jnp.float32)
-  bounds = partition.boundaries(model, config.num_stages, parse_split(config.split),
+  bounds = partition.boundaries(model, config.num_stages, partition.parse_split(config.split),
                                 example_input=x1)
   stages = partition.stages_from_boundaries(model, bounds)
   params, model_states = fdg_jax.init_stages(stages, jax.random.PRNGKey(config.seed), x1)
@@ -187,10 +182,30 @@ def host_copy(tree):
   return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
+def _all_finite(tree) -> bool:
+  leaves = [a for a in jax.tree.leaves(tree)
+            if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact)]
+  return all(bool(jnp.all(jnp.isfinite(a))) for a in leaves)
+
+
 def _nonfinite_stage(schedule, state) -> int | None:
+  """The first stage whose parameters hold a NaN or infinity, or None."""
   for k, p in enumerate(schedule.params(state)):
-    if not all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(p)):
+    if not _all_finite(p):
       return k
+  return None
+
+
+def _nonfinite_part(schedule, state) -> str | None:
+  """Which part of the schedule state is not finite (parameters first), or None."""
+  k = _nonfinite_stage(schedule, state)
+  if k is not None:
+    return f"stage {k}'s parameters"
+  for k, s in enumerate(state["stages"]):
+    if not _all_finite(s):
+      return f"stage {k}'s optimizer state or stash"
+  if not _all_finite(state["inbox"]):
+    return "a message between stages"
   return None
 
 
@@ -198,12 +213,13 @@ def _nonfinite_stage(schedule, state) -> int | None:
 def _stop_on_signals():
   """Turns SIGINT/SIGTERM into a flag checked between ticks (main thread only)."""
   flag: dict[str, Any] = {"signum": None}
+  previous: dict = {}
 
   def handler(signum, frame):
     del frame
     flag["signum"] = signum
+    signal.signal(signum, previous.get(signum, signal.SIG_DFL))  # a second signal is not caught
 
-  previous = {}
   try:
     for s in (signal.SIGINT, signal.SIGTERM):
       previous[s] = signal.signal(s, handler)
@@ -300,7 +316,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   start = ckpt.latest_step()
   progress = {"wall_time": 0.0, "train_loss_sum": 0.0, "train_acc_sum": 0.0, "train_count": 0}
   if start is not None:
-    state, data_state, progress = ckpt.restore(start, state)
+    # Restore into shapes and shardings only, freeing the freshly built state first, so
+    # that a resume does not hold two copies of the parameters and stashes.
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        if isinstance(a, jax.Array) else a, state)
+    del state
+    state, data_state, progress = ckpt.restore(start, target)
     state["tick"] = np.asarray(state["tick"], np.int64)
     train_it.set_state(data_state)
     _log(f"resumed from step {start} in {workdir}")
@@ -313,8 +335,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   epoch_start_time = time.time()
   run_start = time.time() - progress["wall_time"]
   epoch_steps = 0
+  paused = 0.0  # seconds of checkpointing within the current interval (not training)
   final: dict = {}
   bar = None
+  multi_process = jax.process_count() > 1
 
   def flush_losses():
     """Moves this interval's losses to the host and stops on a non-finite one."""
@@ -337,11 +361,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     progress["train_count"] += int(losses.size)
 
   def save():
-    nonlocal last_good
+    nonlocal last_good, paused
+    t0 = time.time()
     flush_losses()
+    # A parameter can go non-finite ticks before its effect reaches the loss (stage 0's
+    # update shows in a loss K ticks later under FDG): never checkpoint such a state.
+    bad = _nonfinite_part(schedule, state)
+    if bad is not None:
+      raise DivergedError(
+          f"training diverged: {bad} non-finite at step {step}; "
+          + (f"last good checkpoint: step {last_good} in {ckpt.directory}; "
+             if last_good is not None else "no checkpoint was saved yet; ")
+          + "lower --config.learning_rate or --config.momentum, or try --config.beta<1")
     progress["wall_time"] = time.time() - run_start
     ckpt.save(step, state, train_it.get_state(), progress)
     last_good = step
+    paused += time.time() - t0
 
   try:
     with _stop_on_signals() as stop:
@@ -364,10 +399,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                             samples_s=config.batch_size * epoch_steps /
                             max(time.time() - epoch_start_time, 1e-9))
         end_of_epoch = step % steps_per_epoch == 0
-        epoch = step // steps_per_epoch
-        if end_of_epoch and (epoch % config.eval_every_epochs == 0 or step == total_steps):
+        epoch = step // steps_per_epoch if end_of_epoch else step / steps_per_epoch
+        if (end_of_epoch and epoch % config.eval_every_epochs == 0) or step == total_steps:
           flush_losses()
-          train_time = time.time() - epoch_start_time
+          train_time = time.time() - epoch_start_time - paused
           test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False,
                                            seed=0, drop_remainder=False, **process)
           record = {
@@ -384,15 +419,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           if bar is not None:
             bar.set_postfix(loss=record["train_loss"], test_acc=record["test_accuracy"],
                             samples_s=record["samples_per_second"])
-          progress.update(train_loss_sum=0.0, train_acc_sum=0.0, train_count=0)
-          epoch_steps = 0
-          epoch_start_time = time.time()
+          if end_of_epoch:  # an evaluation where a run stops mid-epoch leaves the sums be
+            progress.update(train_loss_sum=0.0, train_acc_sum=0.0, train_count=0)
+            epoch_steps = 0
+            paused = 0.0
+            epoch_start_time = time.time()
         if end_of_epoch and bar is not None:
           bar.close()
           bar = None
         if step % config.checkpoint_every_steps == 0 or step == total_steps:
           save()
-        if stop["signum"] is not None:
+        # Several processes must stop (and join the collective save) at the same step: a
+        # signal one of them got is acted on at the next log step, agreed by all.
+        agreed = not multi_process or step % config.log_every_steps == 0
+        if multi_process and agreed:
+          from jax.experimental import multihost_utils
+          signums = multihost_utils.process_allgather(np.int32(stop["signum"] or 0))
+          stop["signum"] = int(np.max(signums)) or None
+        if stop["signum"] is not None and agreed:
           if last_good != step:
             save()
           name = signal.Signals(stop["signum"]).name
@@ -420,7 +464,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _mean(total, count):
-  return total / count if count else float("nan")
+  return total / count if count else None  # null in metrics.jsonl: no batch reached the loss
 
 
 def _run_label(config) -> str:
@@ -448,8 +492,8 @@ def _log(msg: str) -> None:
   print(msg, flush=True)
 
 
-_IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "dataset", "batch_size", "seed",
-                    "split", "backward", "beta", "num_replicas")
+_IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset",
+                    "batch_size", "seed", "split", "backward", "beta", "num_replicas")
 
 
 def _check_or_write_config(config, workdir: str) -> None:
@@ -464,6 +508,7 @@ def _check_or_write_config(config, workdir: str) -> None:
         raise ConfigError(
             f"{workdir} holds a run with {key}={saved[key]!r}, not {current.get(key)!r}; "
             "use a new --workdir or the original config")
+    return  # keep the config the run was started with
   if jax.process_index() == 0:
     with open(path, "w") as f:
       json.dump(current, f, indent=2, sort_keys=True)
