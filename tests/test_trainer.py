@@ -145,6 +145,10 @@ def test_paper_betas_are_used_by_default():
     ("beta", 0.0, "beta"),
     ("split", "3,2", "split"),
     ("lr_schedule", "triangle", "lr_schedule"),
+    ("split", "triangle", "split must be one of"),
+    ("log_every_steps", 0, "log_every_steps"),
+    ("max_steps", 0, "max_steps"),
+    ("lr_gamma", 0.0, "lr_gamma"),
 ])
 def test_bad_config_is_one_clear_error(field, value, needle):
   c = tiny_config(**{field: value})
