@@ -14,9 +14,11 @@ A stash entry is, under `backward="stash"`, the residuals of `jax.vjp` of the st
 `backward="recompute"` only the stage input and its RNG key (the backward re-runs the vjp with
 the current weights).
 
-Each stage's work at a tick is one jitted function of (stage state, arriving activation,
+A stage's work at a tick is done by a jitted function of (stage state, arriving activation,
 arriving cotangent) -> (stage state, activation to send, cotangent to send, batch updated),
-with the stage state donated. Which of the forward and backward a stage runs at tick t is
+with the stage state donated: one call per stage under FDG (backward, then forward), a
+forward call and a backward call under BP and DDG (whose forward must leave the stage before
+the backward runs). Which of the forward and backward a stage runs at tick t is
 known on the host (warm-up), so a stage compiles at most three variants (forward only,
 backward only, both) and steady-state ticks never retrace (the state's output shardings are
 fixed to its input ones). Messages between stages are moved explicitly by the `Placement`
