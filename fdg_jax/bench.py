@@ -112,8 +112,9 @@ def build_stages(model, num_stages: int, split, batch_size: int):
 
 
 def loss_fn(logits, labels):
-  import optax
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  """The trainer's loss (imported lazily: this module keeps its CLI start-up light)."""
+  from fdg_jax.trainer import loss_fn as trainer_loss
+  return trainer_loss(logits, labels)
 
 
 def optimizer():
