@@ -84,6 +84,15 @@ class Placement:
   def num_stages(self) -> int:
     return len(self.state_shardings)
 
+  @property
+  def single_device(self):
+    """The one device every stage lives on, or None (stages apart, or a mesh)."""
+    devices = {d for s in self.state_shardings + self.batch_shardings for d in s.device_set}
+    if len(devices) != 1 or self.num_replicas != 1:
+      return None
+    device = next(iter(devices))
+    return device if device.process_index == jax.process_index() else None
+
   # ------------------------------------------------------------------ shardings
   def message_sharding(self, k: int, leaf) -> jax.sharding.Sharding:
     """Where a batch-major leaf (or a scalar, replicated) consumed by stage k lives."""

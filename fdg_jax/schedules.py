@@ -1,11 +1,10 @@
 """The BP, DDG and FDG schedules: one tick of each, exactly as ALGORITHMS.md fixes it.
 
-Design. The network is K stages (`fdg_jax.Stage`). Each stage k has its own state pytree:
+Design. The network is K stages (`fdg_jax.Stage`). Each stage k has its own state:
 
     params, model_state, opt_state, rng,
-    stash:        the ring buffer of delayed-backward entries, every leaf with a leading axis
-                  of length D_k (D_k = 1 for BP, K-k for DDG, 2(K-1-k) for FDG; the last
-                  stage has none),
+    stash:        the ring buffer of delayed-backward entries, D_k slots (D_k = 1 for BP,
+                  K-k for DDG, 2(K-1-k) for FDG; the last stage has none),
     stash_batch:  int32[D_k], which batch each slot belongs to,
     pushes, pops: int32 counters; the next slot written is pushes % D_k, read pops % D_k.
 
@@ -14,24 +13,37 @@ A stash entry is, under `backward="stash"`, the residuals of `jax.vjp` of the st
 `backward="recompute"` only the stage input and its RNG key (the backward re-runs the vjp with
 the current weights).
 
-A stage's work at a tick is done by a jitted function of (stage state, arriving activation,
-arriving cotangent) -> (stage state, activation to send, cotangent to send, batch updated),
-with the stage state donated: one call per stage under FDG (backward, then forward), a
-forward call and a backward call under BP and DDG (whose forward must leave the stage before
-the backward runs). Which of the forward and backward a stage runs at tick t is
-known on the host (warm-up), so a stage compiles at most three variants (forward only,
-backward only, both) and steady-state ticks never retrace (the state's output shardings are
-fixed to its input ones). Messages between stages are moved explicitly by the `Placement`
-(`jax.device_put` to the neighbour's devices; in a multi-process run, shard by shard between
-each process's own devices); nothing blocks inside a tick and nothing reads a device value.
+One definition of a tick. A stage's work at a tick is one pure function of (stage state,
+arriving activation, arriving cotangent, whether it forwards, whether it backwards) ->
+(stage state, activation to send, cotangent to send, batch updated); the last stage's is
+(state, activation, active) -> (state, cotangent, metrics). `_tick` composes them in the
+order of ALGORITHMS.md. Two engines run that same composition:
 
-Messages sent at tick t are read at tick t+1 (DDG cotangents, FDG activations and cotangents);
-they are carried in the schedule state's `inbox`, preallocated with zeros so the state has one
-fixed structure from the first tick on (and can be checkpointed at any tick).
+- fused (every stage on one device): `_tick` inside one jitted program over all K stages;
+  `run` scans it over T ticks (or, where the platform runs nested backward convolutions
+  slowly, calls a one-tick program T times), `step` is the one-tick program.
+- per stage (a device per stage, or a (data, stage) mesh): each stage's work is its own
+  jitted call on its devices, and messages move between them with the `Placement`
+  (`jax.device_put`; shard by shard in a multi-process run). `step` runs one tick, `run`
+  runs T ticks from the host.
+
+Whether a stage forwards or backwards at tick t (warm-up) is known from t: on the host the
+flags are Python booleans and select a compiled variant; inside a program whose ticks may
+lie in the pipeline fill they are traced and mask the state updates (a masked stage's state
+and messages stay as they were, bit for bit), so one program serves every tick and steady
+ticks never retrace.
+
+Each stage's state is kept packed into a few flat buffers (`fdg_jax.packing`), so that a
+jitted call carries a handful of leaves whatever the model: a call's host cost grows with its
+leaves. `params`, `model_states` and `stage_state` unpack it. Messages sent at tick t are read
+at tick t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
+`inbox`, preallocated with zeros so the state has one fixed structure from the first tick on
+(and can be checkpointed at any tick).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,14 +51,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fdg_jax.delays import delay, ring_size
+from fdg_jax.packing import Layout
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
-from fdg_jax.delays import delay, ring_size
 from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
 BACKWARD_POLICIES = ("stash", "recompute")
+ENGINES = ("auto", "fused", "per_stage")
+NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
 
 
 def classification_metrics(outputs, labels) -> dict:
@@ -57,21 +72,44 @@ def classification_metrics(outputs, labels) -> dict:
   return {"accuracy": jnp.mean((pred == labels).astype(jnp.float32))}
 
 
+def _select(flag, new, old):
+  """`new` where `flag` else `old`, leaf by leaf; a Python bool selects without any op."""
+  if flag is True:
+    return new
+  if flag is False:
+    return old
+  return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
+
+
+def _count(flag):
+  """1 if `flag` else 0, as int32 (static for a Python bool)."""
+  return 1 if flag is True else flag.astype(jnp.int32)
+
+
+def has_convolution(fn, *args) -> bool:
+  """Whether `fn(*args)`, traced abstractly, contains a convolution (nested ones included)."""
+  return "conv_general_dilated" in str(jax.make_jaxpr(fn)(*args))
+
+
 class Schedule:
   """A decoupled-training schedule over K stages. Build with `bp`, `ddg` or `fdg`.
 
-  Public methods: `init`, `step`, `params`, `model_states`, `evaluate`. The state is a pytree
-  of device arrays plus a host integer `tick`; `step` consumes (donates) the state it is
-  given, so always continue from the state it returns.
+  Public methods: `init`, `step` (one tick), `run` (T ticks in one call), `params`,
+  `model_states`, `stage_state`, `evaluate`, `stash_bytes`. The state is a pytree of device
+  arrays plus a host integer `tick`; `step` and `run` consume (donate) the state they are
+  given, so always continue from the state they return.
   """
 
   def __init__(self, algorithm: str, stages: Sequence[Stage], loss_fn: Callable,
                optimizer, *, beta: float = 1.0, backward: str = "stash",
-               devices=None, mesh=None, metrics_fn: Callable | None = None):
+               devices=None, mesh=None, metrics_fn: Callable | None = None,
+               engine: str = "auto", scan: bool | None = None):
     if algorithm not in ALGORITHMS:
       raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if backward not in BACKWARD_POLICIES:
       raise ValueError(f"unknown backward policy {backward!r}; choose one of {BACKWARD_POLICIES}")
+    if engine not in ENGINES:
+      raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
     stages = list(stages)
     if not stages:
       raise ValueError("a schedule needs at least one stage")
@@ -90,10 +128,22 @@ class Schedule:
     self.metrics_fn = metrics_fn or classification_metrics
     self.placement = Placement.create(self.num_stages, devices=devices, mesh=mesh)
     self.optimizers = self._stage_optimizers(optimizer)
+    one_device = self.placement.single_device is not None
+    if engine == "fused" and not one_device:
+      raise ValueError("engine='fused' runs every stage in one program on one device; "
+                       "pass devices=None (or K copies of one device), or engine='per_stage'")
+    self.engine = ("fused" if one_device else "per_stage") if engine == "auto" else engine
+    self._scan = scan
+    self._core_layouts: list = [None] * self.num_stages
+    self._stash_layouts: list = [None] * self.num_stages
     self._stash_treedefs: list = [None] * self.num_stages
     self._batch_spec = None
+    self._has_conv = None
     self._step_fns: dict = {}
     self._eval_fns: dict = {}
+    self._unpack_fns: dict = {}
+    self._per_stage_ops = _PerStageOps(self)
+    self._fused_ops = _FusedOps(self)
 
   # ------------------------------------------------------------------ properties
   @property
@@ -106,6 +156,26 @@ class Schedule:
     """D_k for every stage: the number of stash slots it carries."""
     return tuple(ring_size(self.algorithm, k, self.num_stages) for k in range(self.num_stages))
 
+  @property
+  def fill_ticks(self) -> int:
+    """The first tick from which every stage forwards and backwards (the pipeline is full)."""
+    K = self.num_stages
+    if self.algorithm == "fdg":
+      return 2 * (K - 1)
+    return self.delays[0] if self.algorithm == "ddg" and K > 1 else 0
+
+  @property
+  def scan(self) -> bool:
+    """Whether the fused `run` scans its ticks (else it calls a one-tick program T times).
+
+    Default: scan, except on CPU for models with convolutions, whose backward XLA:CPU runs
+    10-40x slower inside a loop body than at the top level of a program.
+    """
+    if self._scan is not None:
+      return bool(self._scan)
+    platform = next(iter(self.placement.state_shardings[0].device_set)).platform
+    return not (platform == "cpu" and self._has_conv)
+
   def _stage_optimizers(self, optimizer):
     K = self.num_stages
     if isinstance(optimizer, optax.GradientTransformation):
@@ -117,6 +187,22 @@ class Schedule:
     if self.algorithm == "fdg" and self.beta != 1.0:
       opts = [optax.chain(shrink(self.beta, k, K), o) for k, o in enumerate(opts)]
     return opts
+
+  def _flags(self, k: int, t):
+    """(forwards, backwards) of stage k at tick t (for the last stage: active, active).
+
+    `t` is a host int (Python booleans come back), a traced int (traced booleans), or None
+    for a tick past the pipeline fill (always True).
+    """
+    K = self.num_stages
+    if t is None or self.algorithm == "bp":
+      return True, True
+    if k == K - 1:
+      active = t >= K - 1 if self.algorithm == "fdg" else True
+      return active, active
+    if self.algorithm == "fdg":  # stage k forwards batch t-k; applies it d_k ticks later
+      return t >= k, t >= k + self.delays[k]
+    return True, t >= self.delays[k]  # ddg
 
   # ------------------------------------------------------------------ pure pieces
   def _vjp(self, k, params, model_state, x, rng):
@@ -147,50 +233,201 @@ class Schedule:
     updates, opt_state = self.optimizers[k].update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  # ------------------------------------------------------------------ jitted stage steps
-  def _stage_fn(self, k: int, do_forward: bool, do_backward: bool):
-    """Jitted work of stage k < K-1 at one tick: optional backward, then optional forward.
+  def _stage_work(self, k, s, act, cot, do_fwd, do_bwd):
+    """Stage k < K-1 at one tick: optional delayed backward and update, then optional forward.
 
-    Signature: (stage_state, activation_msg, cotangent) ->
-               (stage_state, activation_msg_out, cotangent_out, batch_updated).
-    Under FDG the forward uses the parameters just updated by the backward. DDG and BP call
-    the forward and the backward separately (forward first, with the parameters at the
-    start of the tick).
+    `s` is the stage state with its core unpacked (`stash` stays as ring buffers). Returns
+    (s, activation message (h, y, batch) or None, cotangent for stage k-1 or None, index of
+    the batch whose gradient was applied or None). Under FDG the forward uses the
+    parameters just updated; BP and DDG call the forward and the backward separately
+    (forward first, with the parameters at the start of the tick). Traced flags mask the
+    updates (a masked `updated` is NO_UPDATE).
+    """
+    D = ring_size(self.algorithm, k, self.num_stages)
+    layout = self._stash_layouts[k]
+    s = dict(s)
+    params_fwd = s["params"]
+    act_out = cot_out = updated = None
+    if do_bwd is not False:
+      slot = s["pops"] % D
+      entry = layout.unpack({name: buf[slot] for name, buf in s["stash"].items()})
+      grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot)
+      params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
+      params, opt_state = _select(do_bwd, (params, opt_state), (s["params"], s["opt_state"]))
+      updated = _select(do_bwd, s["stash_batch"][slot], NO_UPDATE)
+      s.update(params=params, opt_state=opt_state, pops=s["pops"] + _count(do_bwd))
+      if k > 0:
+        cot_out = grad_x
+      if self.algorithm == "fdg":
+        params_fwd = params
+    if do_fwd is not False:
+      if k == 0:
+        (x, y), batch = act, s["pushes"]
+      else:
+        x, y, batch = act
+      rng, sub = jax.random.split(s["rng"])
+      h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x, sub)
+      slot = s["pushes"] % D
+      packed = layout.pack(entry)
+      s["stash"] = {name: buf.at[slot].set(_select(do_fwd, packed[name], buf[slot]))
+                    for name, buf in s["stash"].items()}
+      s["stash_batch"] = s["stash_batch"].at[slot].set(
+          _select(do_fwd, batch, s["stash_batch"][slot]))
+      model_state, rng = _select(do_fwd, (model_state, rng), (s["model_state"], s["rng"]))
+      s.update(model_state=model_state, rng=rng, pushes=s["pushes"] + _count(do_fwd))
+      act_out = (h, y, batch)
+    return s, act_out, cot_out, updated
+
+  def _last_work(self, s, act, active):
+    """The last stage at one tick: forward, loss, gradient, update.
+
+    Returns (s, cotangent for stage K-2 or None, metrics: loss, batch and `metrics_fn`'s).
+    """
+    K = self.num_stages
+    stage = self.stages[K - 1]
+    s = dict(s)
+    if K == 1:
+      (x, y), batch = act, s["pushes"]
+    else:
+      x, y, batch = act
+    rng, sub = jax.random.split(s["rng"])
+
+    def loss(p, a):
+      out, ms = stage.apply(p, s["model_state"], a, train=True, rng=sub)
+      return self.loss_fn(out, y), (out, ms)
+
+    argnums = (0, 1) if K > 1 else 0
+    (value, (out, ms)), grads = jax.value_and_grad(loss, argnums, has_aux=True)(
+        s["params"], x)
+    grads, grad_x = grads if K > 1 else (grads, None)
+    params, opt_state = self._update(K - 1, s["params"], s["opt_state"], grads)
+    new = _select(active, (params, opt_state, ms, rng),
+                  (s["params"], s["opt_state"], s["model_state"], s["rng"]))
+    s.update(zip(("params", "opt_state", "model_state", "rng"), new))
+    s["pushes"] = s["pushes"] + _count(active)
+    metrics = {"loss": value, "batch": batch, **self.metrics_fn(out, y)}
+    return s, grad_x, metrics
+
+  def _tick(self, stages, inbox, batch, t, ops):
+    """One tick of the schedule, in ALGORITHMS.md's order, run by the engine `ops`.
+
+    Args:
+      stages: the K stage states as `ops` takes them (packed per stage, or unpacked).
+      inbox: the messages sent at tick t-1.
+      batch: b_t = (x_t, y_t) on stage 0.
+      t: the tick (host int, traced int, or None past the fill); see `_flags`.
+      ops: `_PerStageOps` or `_FusedOps`: how a stage's work is called, how messages move.
+    Returns:
+      (stages, inbox for tick t+1, updated (K entries: batch index, masked, or None),
+       metrics of the batch that reached the loss ({} if none), whether one did).
+    """
+    K = self.num_stages
+    stages = list(stages)
+    new_inbox = [dict(box) for box in inbox]  # unsent messages keep their placeholders
+    updated: list = [None] * K
+    metrics: dict = {}
+    active = self._flags(K - 1, t)[0]
+
+    def last(act):
+      nonlocal metrics
+      stages[K - 1], cot, metrics = ops.last(active)(stages[K - 1], act)
+      updated[K - 1] = _select(active, metrics["batch"], NO_UPDATE)
+      return cot
+
+    if self.algorithm == "fdg":
+      # Every stage reads only messages of tick t-1, and everything it sends is read at
+      # t+1: the engine may move them all at once at the end of the tick.
+      outgoing = []  # (receiving stage, "act" | "cot", flag, message)
+      for k in range(K - 1):
+        do_fwd, do_bwd = self._flags(k, t)
+        if do_fwd is False and do_bwd is False:
+          continue
+        act = batch if k == 0 else inbox[k]["act"]
+        stages[k], act_out, cot_out, updated[k] = ops.stage(k, do_fwd, do_bwd)(
+            stages[k], act if do_fwd is not False else None,
+            inbox[k]["cot"] if do_bwd is not False else None)
+        if act_out is not None:
+          outgoing.append((k + 1, "act", do_fwd, act_out))
+        if cot_out is not None:
+          outgoing.append((k - 1, "cot", do_bwd, cot_out))
+      if active is not False:
+        cot = last(batch if K == 1 else inbox[K - 1]["act"])
+        if cot is not None:
+          outgoing.append((K - 2, "cot", active, cot))
+      moved = ops.move_all([(k, m) for k, _, _, m in outgoing])
+      for (k, kind, flag, _), m in zip(outgoing, moved):
+        new_inbox[k][kind] = _select(flag, m, inbox[k][kind])
+
+    elif self.algorithm == "ddg":
+      # The forward of b_t runs through every stage within the tick, each stage's forward its
+      # own piece: its activation can leave as soon as it is computed, while the stage's
+      # delayed backward (dispatched after all forwards) runs concurrently with the forwards
+      # of the stages above it.
+      act = batch
+      for k in range(K - 1):
+        stages[k], act_out, _, _ = ops.stage(k, True, False)(stages[k], act, None)
+        act = ops.move(k + 1, act_out)
+      cot = last(act)
+      if cot is not None:
+        new_inbox[K - 2]["cot"] = ops.move(K - 2, cot)
+      for k in reversed(range(K - 1)):
+        do_bwd = self._flags(k, t)[1]  # stage k+1 sent a cotangent at tick t-1
+        if do_bwd is False:
+          continue
+        stages[k], _, cot_out, updated[k] = ops.stage(k, False, do_bwd)(
+            stages[k], None, inbox[k]["cot"])
+        if cot_out is not None:
+          new_inbox[k - 1]["cot"] = _select(do_bwd, ops.move(k - 1, cot_out),
+                                            inbox[k - 1]["cot"])
+
+    else:  # bp: the whole forward and backward of b_t within the tick
+      act = batch
+      for k in range(K - 1):
+        stages[k], act_out, _, _ = ops.stage(k, True, False)(stages[k], act, None)
+        act = ops.move(k + 1, act_out)
+      cot = last(act)
+      for k in reversed(range(K - 1)):
+        stages[k], _, cot, updated[k] = ops.stage(k, False, True)(
+            stages[k], None, ops.move(k, cot))
+
+    return stages, new_inbox, updated, metrics, active
+
+  # ------------------------------------------------------------------ packing
+  def _unpack_stage(self, k, packed):
+    s = dict(self._core_layouts[k].unpack(packed["core"]))
+    if "stash" in packed:
+      s["stash"] = packed["stash"]
+    return s
+
+  def _pack_stage(self, k, s):
+    s = dict(s)
+    stash = s.pop("stash", None)
+    out = {"core": self._core_layouts[k].pack(s)}
+    if stash is not None:
+      out["stash"] = stash
+    return out
+
+  def _core_spec(self, k):
+    """ShapeDtypeStructs of stage k's unpacked core state."""
+    lay = self._core_layouts[k]
+    return lay.treedef.unflatten([jax.ShapeDtypeStruct(s, d)
+                                  for s, d in zip(lay.shapes, lay.dtypes)])
+
+  # ------------------------------------------------------------------ per-stage engine
+  def _stage_fn(self, k: int, do_forward: bool, do_backward: bool):
+    """Jitted `_stage_work` of stage k on its devices, over its packed state (donated).
+
+    Signature: (packed state, activation message, cotangent) ->
+               (packed state, activation message out, cotangent out, batch updated).
     """
     key = (k, do_forward, do_backward)
     if key in self._step_fns:
       return self._step_fns[key]
-    D = ring_size(self.algorithm, k, self.num_stages)
-    forward_after_update = self.algorithm == "fdg"
 
-    def step(s, act, cot):
-      s = dict(s)
-      params_fwd = s["params"]
-      act_out = cot_out = updated = None
-      if do_backward:
-        slot = s["pops"] % D
-        entry = jax.tree.map(lambda buf: buf[slot], s["stash"])
-        updated = s["stash_batch"][slot]
-        grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot)
-        params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
-        s.update(params=params, opt_state=opt_state, pops=s["pops"] + 1)
-        if k > 0:
-          cot_out = grad_x
-        if forward_after_update:
-          params_fwd = params
-      if do_forward:
-        if k == 0:
-          (x, y), batch = act, s["pushes"]
-        else:
-          x, y, batch = act
-        rng, sub = jax.random.split(s["rng"])
-        h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x, sub)
-        slot = s["pushes"] % D
-        s["stash"] = jax.tree.map(lambda buf, e: buf.at[slot].set(e), s["stash"], entry)
-        s["stash_batch"] = s["stash_batch"].at[slot].set(batch)
-        s.update(model_state=model_state, rng=rng, pushes=s["pushes"] + 1)
-        act_out = (h, y, batch)
-      return s, act_out, cot_out, updated
+    def step(packed, act, cot):
+      s, act_out, cot_out, updated = self._stage_work(
+          k, self._unpack_stage(k, packed), act, cot, do_forward, do_backward)
+      return self._pack_stage(k, s), act_out, cot_out, updated
 
     # Fixed output shardings: the state comes back exactly as it went in (so the next tick
     # hits the same compiled variant, also under a mesh, where propagation would otherwise
@@ -205,43 +442,68 @@ class Schedule:
     return fn
 
   def _last_fn(self):
-    """Jitted work of the last stage: forward, loss, gradient, update.
+    """Jitted `_last_work` (always active) on the last stage's devices.
 
-    Signature: (stage_state, activation_msg) -> (stage_state, cotangent_out, metrics).
+    Signature: (packed state, activation message) -> (packed state, cotangent out, metrics).
     """
     key = ("last",)
     if key in self._step_fns:
       return self._step_fns[key]
     K = self.num_stages
-    stage = self.stages[K - 1]
 
-    def step(s, act):
-      s = dict(s)
-      if K == 1:
-        (x, y), batch = act, s["pushes"]
-      else:
-        x, y, batch = act
-      rng, sub = jax.random.split(s["rng"])
-
-      def loss(p, a):
-        out, ms = stage.apply(p, s["model_state"], a, train=True, rng=sub)
-        return self.loss_fn(out, y), (out, ms)
-
-      argnums = (0, 1) if K > 1 else 0
-      (value, (out, ms)), grads = jax.value_and_grad(loss, argnums, has_aux=True)(
-          s["params"], x)
-      grads, grad_x = grads if K > 1 else (grads, None)
-      params, opt_state = self._update(K - 1, s["params"], s["opt_state"], grads)
-      s.update(params=params, opt_state=opt_state, model_state=ms, rng=rng,
-               pushes=s["pushes"] + 1)
-      metrics = {"loss": value, "batch": batch, **self.metrics_fn(out, y)}
-      return s, grad_x, metrics
+    def step(packed, act):
+      s, cot, metrics = self._last_work(self._unpack_stage(K - 1, packed), act, True)
+      return self._pack_stage(K - 1, s), cot, metrics
 
     P = self.placement
     out_shardings = (self._state_shardings(K - 1),
                      self._cot_shardings[K - 1] if K > 1 else None,
                      P.scalar_shardings[K - 1])
     fn = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+    self._step_fns[key] = fn
+    return fn
+
+  # ------------------------------------------------------------------ fused engine
+  def _fused_fn(self, num_ticks: int | None, steady: bool):
+    """Every stage in one jitted program on one device: one tick, or `num_ticks` scanned.
+
+    `steady`: every tick lies past the pipeline fill (static flags, no masking); otherwise
+    the flags are traced from the tick and mask the warm-up.
+    One tick: (packed stages, inbox, (x, y), t) -> (packed stages, inbox, updated, metrics).
+    Scanned: (packed stages, inbox, xs, ys, t0) -> (packed stages, inbox, stacked metrics).
+    """
+    key = ("fused", num_ticks, steady)
+    if key in self._step_fns:
+      return self._step_fns[key]
+    K, ops = self.num_stages, self._fused_ops
+
+    def tick(stages, inbox, batch, t):
+      return self._tick(stages, inbox, batch, None if steady else t, ops)
+
+    def unpack_all(packed):
+      return [self._unpack_stage(k, p) for k, p in enumerate(packed)]
+
+    def pack_all(stages):
+      return [self._pack_stage(k, s) for k, s in enumerate(stages)]
+
+    if num_ticks is None:
+      def one(packed, inbox, batch, t):
+        stages, inbox, updated, metrics, _ = tick(unpack_all(packed), inbox, batch, t)
+        return pack_all(stages), inbox, updated, metrics
+      fn = jax.jit(one, donate_argnums=(0, 1))
+    else:
+      def many(packed, inbox, xs, ys, t0):
+        def body(carry, batch):
+          stages, inbox, t = carry
+          stages, inbox, updated, metrics, active = tick(stages, inbox, batch, t)
+          out = {**metrics, "valid": jnp.asarray(active),
+                 "updated": jnp.stack([jnp.int32(NO_UPDATE) if u is None else u
+                                       for u in updated])}
+          return (stages, inbox, t + 1), out
+        (stages, inbox, _), out = jax.lax.scan(body, (unpack_all(packed), inbox, t0),
+                                               (xs, ys))
+        return pack_all(stages), inbox, out
+      fn = jax.jit(many, donate_argnums=(0, 1))
     self._step_fns[key] = fn
     return fn
 
@@ -255,7 +517,7 @@ class Schedule:
       model_state: K per-stage model states (e.g. BatchNorm statistics), or None (all `{}`).
       rng: PRNG key for stochastic layers (default `PRNGKey(0)`).
       example_batch: an `(x, y)` batch of the training shape; allocates the stash and the
-        message buffers now. Without it they are allocated at the first `step`.
+        message buffers now. Without it they are allocated at the first `step` or `run`.
     """
     K = self.num_stages
     params = list(params)
@@ -275,19 +537,27 @@ class Schedule:
           "pushes": jnp.zeros((), jnp.int32),
           "pops": jnp.zeros((), jnp.int32),
       }
-      stages.append(self.placement.put_state(k, s))
+      if k < K - 1:
+        s["stash_batch"] = jnp.zeros((ring_size(self.algorithm, k, K),), jnp.int32)
+      self._core_layouts[k] = layout = Layout.of(s)
+      rep = self.placement.state_shardings[k]
+      pack = jax.jit(layout.pack, out_shardings={name: rep for name in layout.names})
+      stages.append({"core": pack(self.placement.put_state(k, s))})
     state = {"tick": np.asarray(0, np.int64), "stages": stages, "inbox": None}
     if example_batch is not None:
       state = self._allocate(state, self.placement.put_batch(0, tuple(example_batch)))
     return state
 
-  def _prepare(self, state, batch):
-    """Shapes and shardings of the stash entries and messages, for `batch`'s shapes.
+  def _prepare(self, batch):
+    """Shapes, layouts and shardings of the stash entries and messages, for `batch`'s shapes.
 
-    `batch` is the global batch (already placed on stage 0). A stash leaf is batch-major
-    along the axis whose size follows the batch size (found by tracing the stage at the
-    batch size and at twice it); such leaves are sharded along that axis under a mesh.
+    `batch` is the global batch (arrays or ShapeDtypeStructs). Under a mesh, a stash leaf is
+    batch-major along the axis whose size follows the batch size (found by tracing the stage
+    at the batch size and at twice it); such leaves are sharded along that axis.
     """
+    if any(lay is None for lay in self._core_layouts):
+      raise ValueError("this schedule has no state layout yet: call schedule.init(...) first "
+                       "(also before restoring a checkpointed state into it)")
     K, P = self.num_stages, self.placement
     spec = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), t)
     doubled = lambda t: jax.tree.map(
@@ -295,66 +565,75 @@ class Schedule:
         if a.shape else a, t)
     x_spec, y_spec = spec(batch[0]), spec(batch[1])
     self._batch_spec = (x_spec, y_spec)
-    self._entry_specs, self._stash_shardings = [None] * K, [None] * K
+    self._entry_specs = [None] * K
     self._act_specs, self._act_shardings, self._cot_shardings = ([None] * K for _ in range(3))
-    stages = state["stages"]
+    has_conv = False
 
     def entry_and_output(k, a):
-      s = stages[k]
+      s = self._core_spec(k)
+      args = (s["params"], s["model_state"], a, s["rng"])
       if self.backward == "stash":
-        _, vjp_spec, _ = jax.eval_shape(
-            lambda p, ms, a, r: self._vjp(k, p, ms, a, r),
-            s["params"], s["model_state"], a, s["rng"])
+        _, vjp_spec, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
         leaves, treedef = jax.tree.flatten(vjp_spec)
         entry = tuple(leaves)
       else:
-        entry, treedef = (a, spec(s["rng"])), None
-      h, _, _ = jax.eval_shape(
-          lambda p, ms, a, r: self._forward(k, p, ms, a, r),
-          s["params"], s["model_state"], a, s["rng"])
+        entry, treedef = (a, s["rng"]), None
+      h, _, _ = jax.eval_shape(lambda *z: self._forward(k, *z), *args)
       return entry, treedef, h
 
     a_spec, a_spec2 = x_spec, doubled(x_spec)
     for k in range(K):
       self._cot_shardings[k] = P.message_shardings(k, a_spec)
+      s = self._core_spec(k)
+      has_conv = has_conv or has_convolution(
+          lambda p, ms, a, st=self.stages[k]: st.apply(p, ms, a, train=True),
+          s["params"], s["model_state"], a_spec)
       if k == K - 1:
         break
       entry, self._stash_treedefs[k], h_spec = entry_and_output(k, a_spec)
       entry2, _, h_spec2 = entry_and_output(k, a_spec2)
 
-      def buffer_sharding(e, e2, k=k):
+      def batch_axis(e, e2):
         axis = next((i for i, (m, n) in enumerate(zip(e.shape, e2.shape)) if m != n), None)
         if axis is not None and e.shape[axis] % P.num_replicas:
           axis = None  # cannot be split evenly over the replicas: keep it replicated
-        return P.buffer_sharding(k, None if axis is None else axis + 1)  # +1: ring axis
+        return axis
 
+      axes = [batch_axis(e, e2) for e, e2 in zip(jax.tree.leaves(entry),
+                                                 jax.tree.leaves(entry2))]
+      if P.num_replicas == 1:
+        axes = None  # nothing to shard: one flat buffer per dtype
+      self._stash_layouts[k] = Layout.of(entry, axes)
       self._entry_specs[k] = entry
       self._act_specs[k] = (h_spec, y_spec, jax.ShapeDtypeStruct((), jnp.int32))
-      self._stash_shardings[k] = jax.tree.map(buffer_sharding, entry, entry2)
       self._act_shardings[k] = P.message_shardings(k, self._act_specs[k])
       a_spec, a_spec2 = h_spec, h_spec2
+    self._has_conv = has_conv
+
+  def _stash_shardings(self, k: int) -> dict:
+    """Shardings of stage k's ring buffers: [D, B, N] batch groups split along B."""
+    P, lay = self.placement, self._stash_layouts[k]
+    return {name: P.buffer_sharding(k, 1) if lay.is_batch(name) else P.state_shardings[k]
+            for name in lay.names}
 
   def _state_shardings(self, k: int) -> dict:
-    """The sharding of every entry of stage k's state (a prefix of its pytree)."""
+    """The sharding of every buffer of stage k's packed state."""
     rep = self.placement.state_shardings[k]
-    out = {name: rep for name in ("params", "model_state", "opt_state", "rng", "pushes",
-                                  "pops")}
+    out = {"core": {name: rep for name in self._core_layouts[k].names}}
     if k < self.num_stages - 1:
-      out.update(stash=self._stash_shardings[k], stash_batch=rep)
+      out["stash"] = self._stash_shardings(k)
     return out
 
   def _allocate(self, state, batch):
     """Adds zero-filled stash and message buffers sized for `batch` (global, on stage 0)."""
     K, P = self.num_stages, self.placement
-    self._prepare(state, batch)
+    self._prepare(batch)
     stages, inbox = list(state["stages"]), [dict() for _ in range(K)]
     for k in range(K - 1):
-      s = dict(stages[k])
       D = ring_size(self.algorithm, k, K)
-      s["stash"] = _zeros(jax.tree.map(lambda e: jax.ShapeDtypeStruct((D,) + e.shape, e.dtype),
-                                       self._entry_specs[k]), self._stash_shardings[k])
-      s["stash_batch"] = _zeros(jax.ShapeDtypeStruct((D,), jnp.int32), P.state_shardings[k])
-      stages[k] = s
+      specs = jax.tree.map(lambda e: jax.ShapeDtypeStruct((D,) + e.shape, e.dtype),
+                           self._stash_layouts[k].buffer_specs())
+      stages[k] = {**stages[k], "stash": _zeros(specs, self._stash_shardings(k))}
       # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
       # where (and shaped as) the real messages will arrive.
       act_spec = self._act_specs[k]
@@ -364,7 +643,15 @@ class Schedule:
         inbox[k + 1]["act"] = _zeros(act_spec, P.message_shardings(k + 1, act_spec))
     return {**state, "stages": stages, "inbox": inbox}
 
-  # ------------------------------------------------------------------ one tick
+  def _ready(self, state, batch_spec):
+    """`state` with its buffers allocated, and this schedule prepared for its layout."""
+    if state["inbox"] is None:
+      return self._allocate(state, batch_spec)
+    if self._batch_spec is None:  # a state restored into a fresh schedule
+      self._prepare(batch_spec)
+    return state
+
+  # ------------------------------------------------------------------ ticks
   def step(self, state: dict, batch) -> tuple[dict, dict]:
     """Runs one tick: batch b_t = (x_t, y_t) enters the pipeline.
 
@@ -374,92 +661,113 @@ class Schedule:
       update), and, once a batch reaches the loss, `loss`, `batch` (its index) and the
       `metrics_fn` values (default `accuracy`) of that batch.
     """
-    K, P, delays = self.num_stages, self.placement, self.delays
+    K = self.num_stages
     # In a multi-process run `batch` is this process's slice; batch_msg is the global batch.
-    batch_msg = P.put_batch(0, tuple(batch))
-    if state["inbox"] is None:
-      state = self._allocate(state, batch_msg)
-    elif self._batch_spec is None:  # a state restored into a fresh schedule
-      self._prepare(state, batch_msg)
+    batch_msg = self.placement.put_batch(0, tuple(batch))
+    state = self._ready(state, batch_msg)
     t = int(state["tick"])
-    stages = list(state["stages"])
-    inbox = state["inbox"]
-    new_inbox = [dict(box) for box in inbox]  # unsent messages keep their placeholders
-    updated: list = [None] * K
-    metrics: dict = {}
+    if self.engine == "fused":
+      fn = self._fused_fn(None, t >= self.fill_ticks)
+      stages, inbox, updated, metrics = fn(state["stages"], state["inbox"], batch_msg,
+                                           np.int32(t))
+      # A masked program computes every stage's work; keep what the tick really did.
+      flags = [self._flags(k, t) for k in range(K)]
+      updated = [u if f[1] else None for u, f in zip(updated, flags)]
+      if not flags[K - 1][0]:
+        metrics = {}
+    else:
+      stages, inbox, updated, metrics, _ = self._tick(
+          state["stages"], state["inbox"], batch_msg, t, self._per_stage_ops)
+    metrics = {**metrics, "tick": t, "updated": tuple(updated)}
+    return {"tick": np.asarray(t + 1, np.int64), "stages": stages, "inbox": inbox}, metrics
 
-    def run_last(act):
-      stages[K - 1], cot, m = self._last_fn()(stages[K - 1], act)
-      updated[K - 1] = m["batch"]
-      metrics.update(m)
-      return cot
+  def run(self, state: dict, batches) -> tuple[dict, dict]:
+    """Runs T ticks: `batches = (xs, ys)` with a leading ticks axis of length T.
 
-    if self.algorithm == "fdg":
-      # Every message of an FDG tick is read at the next one, so all are moved at the end in
-      # one batched device_put: its host cost per call dominates the dispatch of small stages.
-      outgoing = []  # (receiving stage, "act" | "cot", message)
-      for k in range(K - 1):
-        # Stage k forwards batch t-k; its first cotangent arrives d_k ticks after its first forward.
-        do_fwd, do_bwd = t >= k, t >= k + delays[k]
-        if not (do_fwd or do_bwd):
-          continue
-        act = batch_msg if k == 0 else inbox[k]["act"]
-        stages[k], act_out, cot_out, updated[k] = self._stage_fn(k, do_fwd, do_bwd)(
-            stages[k], act if do_fwd else None, inbox[k]["cot"] if do_bwd else None)
-        if act_out is not None:
-          outgoing.append((k + 1, "act", act_out))
-        if cot_out is not None:
-          outgoing.append((k - 1, "cot", cot_out))
-      if t >= K - 1:
-        cot = run_last(batch_msg if K == 1 else inbox[K - 1]["act"])
-        if cot is not None:
-          outgoing.append((K - 2, "cot", cot))
-      moved = P.put_batches([(k, m) for k, _, m in outgoing])
-      for (k, kind, _), m in zip(outgoing, moved):
-        new_inbox[k][kind] = m
+    Equals T calls of `step` (same state, same `updated` trace). The fused engine runs the
+    T ticks as one program (`lax.scan`) where `scan` holds, else one program per tick; the
+    per-stage engine dispatches them from the host.
 
-    elif self.algorithm == "ddg":
-      # The forward of b_t runs through every stage within the tick, so each stage's forward
-      # is its own call: its activation can leave as soon as it is computed, while the
-      # stage's delayed backward (a separate call, dispatched after all forwards) runs
-      # concurrently with the forwards of the stages above it.
-      act = batch_msg
-      for k in range(K - 1):
-        stages[k], act_out, _, _ = self._stage_fn(k, True, False)(stages[k], act, None)
-        act = P.put_batch(k + 1, act_out)
-      cot = run_last(act)
-      if cot is not None:
-        new_inbox[K - 2]["cot"] = P.put_batch(K - 2, cot)
-      for k in reversed(range(K - 1)):
-        if t >= delays[k]:  # stage k+1 sent a cotangent at tick t-1
-          stages[k], _, cot_out, updated[k] = self._stage_fn(k, False, True)(
-              stages[k], None, inbox[k]["cot"])
-          if cot_out is not None:
-            new_inbox[k - 1]["cot"] = P.put_batch(k - 1, cot_out)
+    Returns:
+      (state, metrics): per-tick metrics stacked along T. `tick` [T] (host ints);
+      `updated` int32 [T, K], the batch whose gradient stage k applied at that tick or
+      NO_UPDATE (-1); `valid` bool [T], whether a batch reached the loss at that tick; and
+      `loss`, `batch` and the `metrics_fn` values [T], meaningful where `valid`.
+    """
+    xs, ys = batches
+    T = int(np.shape(jax.tree.leaves(xs)[0])[0])
+    if T < 1:
+      raise ValueError("run needs at least one tick (a leading axis of length >= 1)")
+    t0 = int(state["tick"])
+    first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), (xs, ys))
+    if self.engine == "fused":
+      state = self._ready(state, first)
+      if self.scan:
+        device = self.placement.single_device
+        xs, ys = jax.device_put((xs, ys), device)
+        fn = self._fused_fn(T, t0 >= self.fill_ticks)
+        stages, inbox, out = fn(state["stages"], state["inbox"], xs, ys, np.int32(t0))
+        out["tick"] = np.arange(t0, t0 + T)
+        return {"tick": np.asarray(t0 + T, np.int64), "stages": stages, "inbox": inbox}, out
+    return self._run_by_steps(state, xs, ys, T)
 
-    else:  # bp: the whole forward and backward of b_t within the tick
-      act = batch_msg
-      for k in range(K - 1):
-        stages[k], act_out, _, _ = self._stage_fn(k, True, False)(stages[k], act, None)
-        act = P.put_batch(k + 1, act_out)
-      cot = run_last(act)
-      for k in reversed(range(K - 1)):
-        stages[k], _, cot, updated[k] = self._stage_fn(k, False, True)(
-            stages[k], None, P.put_batch(k, cot))
+  def _run_by_steps(self, state, xs, ys, T):
+    """`run` as T calls of `step`, the metrics stacked on the last stage's devices."""
+    K, P = self.num_stages, self.placement
+    t0 = int(state["tick"])
+    per_tick = []
+    for i in range(T):
+      batch = jax.tree.map(lambda a: a[i], (xs, ys))
+      state, m = self.step(state, batch)
+      per_tick.append(m)
+    valid = np.asarray(["loss" in m for m in per_tick])
+    spec = self._metrics_spec()
+    out = {}
+    for name, leaf in spec.items():
+      fill = self._constant(K - 1, 0, leaf.dtype)
+      out[name] = jnp.stack([m.get(name, fill) for m in per_tick])
+    columns = []
+    for k in range(K):
+      none = self._constant(k, NO_UPDATE, jnp.int32)
+      columns.append(jnp.stack([none if m["updated"][k] is None else m["updated"][k]
+                                for m in per_tick]))
+    columns = jax.device_put(columns, [P.scalar_shardings[K - 1]] * K)
+    out["updated"] = jnp.stack(columns, axis=1)
+    out["valid"] = valid
+    out["tick"] = np.arange(t0, t0 + T)
+    return state, out
 
-    metrics["tick"] = t
-    metrics["updated"] = tuple(updated)
-    new_state = {"tick": np.asarray(t + 1, np.int64), "stages": stages, "inbox": new_inbox}
-    return new_state, metrics
+  def _metrics_spec(self) -> dict:
+    """Shapes of the last stage's metrics (loss, batch, metrics_fn's)."""
+    K = self.num_stages
+    s = self._core_spec(K - 1)
+    act = self._batch_spec if K == 1 else self._act_specs[K - 2]
+    out = jax.eval_shape(lambda s, a: self._last_work(s, a, True)[2], s, act)
+    return out
+
+  def _constant(self, k: int, value, dtype):
+    """A cached device scalar on stage k's devices (fills ticks with no value)."""
+    key = ("const", k, value, jnp.dtype(dtype).name)
+    if key not in self._eval_fns:
+      self._eval_fns[key] = jax.device_put(np.asarray(value, dtype),
+                                           self.placement.scalar_shardings[k])
+    return self._eval_fns[key]
 
   # ------------------------------------------------------------------ accessors
+  def stage_state(self, state, k: int) -> dict:
+    """Stage k's state unpacked: params, model_state, opt_state, rng, pushes, pops and (but
+    for the last stage) stash_batch. The stash stays packed (`state["stages"][k]["stash"]`)."""
+    if k not in self._unpack_fns:
+      self._unpack_fns[k] = jax.jit(self._core_layouts[k].unpack)
+    return self._unpack_fns[k](state["stages"][k]["core"])
+
   def params(self, state) -> list:
     """The K per-stage parameter pytrees."""
-    return [s["params"] for s in state["stages"]]
+    return [self.stage_state(state, k)["params"] for k in range(self.num_stages)]
 
   def model_states(self, state) -> list:
     """The K per-stage model states (e.g. BatchNorm running statistics)."""
-    return [s["model_state"] for s in state["stages"]]
+    return [self.stage_state(state, k)["model_state"] for k in range(self.num_stages)]
 
   def evaluate(self, state, x):
     """Synchronous eval-mode forward of `x` through all stages with the current parameters.
@@ -469,9 +777,11 @@ class Schedule:
     x = self.placement.put_batch(0, x)
     for k, s in enumerate(state["stages"]):
       if k not in self._eval_fns:
-        apply = self.stages[k].apply
-        self._eval_fns[k] = jax.jit(lambda p, ms, a, apply=apply: apply(p, ms, a, train=False)[0])
-      x = self._eval_fns[k](s["params"], s["model_state"], x)
+        def fwd(core, a, k=k):
+          s = self._core_layouts[k].unpack(core)
+          return self.stages[k].apply(s["params"], s["model_state"], a, train=False)[0]
+        self._eval_fns[k] = jax.jit(fwd)
+      x = self._eval_fns[k](s["core"], x)
       if k + 1 < self.num_stages:
         x = self.placement.put_batch(k + 1, x)
     return x
@@ -479,10 +789,50 @@ class Schedule:
   def stash_bytes(self, state) -> list[int]:
     """Bytes held by each stage's delay buffer (stash and its batch indices)."""
     out = []
-    for s in state["stages"]:
-      leaves = jax.tree.leaves((s.get("stash", ()), s.get("stash_batch", ())))
-      out.append(int(sum(a.size * a.dtype.itemsize for a in leaves)))
+    for k, s in enumerate(state["stages"]):
+      ring = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s.get("stash", {})))
+      out.append(int(ring + (4 * self.ring_sizes[k] if k < self.num_stages - 1 else 0)))
     return out
+
+
+class _PerStageOps:
+  """The per-stage engine: each stage's work a jitted call on its devices; explicit moves."""
+
+  def __init__(self, schedule: Schedule):
+    self.schedule = schedule
+
+  def stage(self, k, do_fwd, do_bwd):
+    return self.schedule._stage_fn(k, do_fwd, do_bwd)
+
+  def last(self, active):
+    del active  # the host calls the last stage only when it is active
+    return self.schedule._last_fn()
+
+  def move(self, k, tree):
+    return self.schedule.placement.put_batch(k, tree)
+
+  def move_all(self, messages):
+    # One batched device_put: its host cost per call dominates the dispatch of small stages.
+    return self.schedule.placement.put_batches(messages)
+
+
+class _FusedOps:
+  """The fused engine: each stage's work traced into one program; messages stay put."""
+
+  def __init__(self, schedule: Schedule):
+    self.schedule = schedule
+
+  def stage(self, k, do_fwd, do_bwd):
+    return functools.partial(self.schedule._stage_work, k, do_fwd=do_fwd, do_bwd=do_bwd)
+
+  def last(self, active):
+    return functools.partial(self.schedule._last_work, active=active)
+
+  def move(self, k, tree):
+    return tree
+
+  def move_all(self, messages):
+    return [m for _, m in messages]
 
 
 def _zeros(spec, sharding):
@@ -495,27 +845,25 @@ def _zeros(spec, sharding):
   return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), spec, sharding)
 
 
-def bp(stages, loss_fn, optimizer, *, devices=None, mesh=None, metrics_fn=None) -> Schedule:
-  """Backpropagation over K stages: every tick, forward, loss and backward of b_t."""
-  return Schedule("bp", stages, loss_fn, optimizer, devices=devices, mesh=mesh,
-                  metrics_fn=metrics_fn)
+def bp(stages, loss_fn, optimizer, **kwargs) -> Schedule:
+  """Backpropagation over K stages: every tick, forward, loss and backward of b_t.
+
+  Keyword arguments: `devices`, `mesh`, `metrics_fn`, `engine`, `scan` (see `Schedule`).
+  """
+  return Schedule("bp", stages, loss_fn, optimizer, **kwargs)
 
 
-def ddg(stages, loss_fn, optimizer, *, backward="stash", devices=None, mesh=None,
-        metrics_fn=None) -> Schedule:
+def ddg(stages, loss_fn, optimizer, *, backward="stash", **kwargs) -> Schedule:
   """Decoupled parallel backprop (Huo et al. 2018): backward unlocked, delay K-1-k."""
-  return Schedule("ddg", stages, loss_fn, optimizer, backward=backward, devices=devices,
-                  mesh=mesh, metrics_fn=metrics_fn)
+  return Schedule("ddg", stages, loss_fn, optimizer, backward=backward, **kwargs)
 
 
-def fdg(stages, loss_fn, optimizer, *, beta=1.0, backward="stash", devices=None, mesh=None,
-        metrics_fn=None) -> Schedule:
+def fdg(stages, loss_fn, optimizer, *, beta=1.0, backward="stash", **kwargs) -> Schedule:
   """Fully decoupled training (Zhuang et al. 2021): all locks broken, delay 2(K-1-k).
 
   `beta` in (0, 1] shrinks stage k's gradient by beta**(K-1-k) (see `fdg_jax.shrink`).
   """
-  return Schedule("fdg", stages, loss_fn, optimizer, beta=beta, backward=backward,
-                  devices=devices, mesh=mesh, metrics_fn=metrics_fn)
+  return Schedule("fdg", stages, loss_fn, optimizer, beta=beta, backward=backward, **kwargs)
 
 
 def create(algorithm: str, stages, loss_fn, optimizer, **kwargs) -> Schedule:

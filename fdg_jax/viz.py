@@ -87,11 +87,11 @@ def trace(schedule, state, batches: Iterable) -> tuple[dict, Trace]:
   forwards, updates = [], []
   for batch in batches:
     # `step` donates the state it is given: read the counters before the call.
-    pushes = [_host_int(s["pushes"]) for s in state["stages"][:K - 1]]
+    pushes = [_host_int(schedule.stage_state(state, k)["pushes"]) for k in range(K - 1)]
     state, metrics = schedule.step(state, batch)
     fwd = [IDLE] * K
     for k in range(K - 1):
-      s = state["stages"][k]
+      s = schedule.stage_state(state, k)
       now = _host_int(s["pushes"])
       if now > pushes[k]:
         fwd[k] = _host_int(np.asarray(s["stash_batch"])[(now - 1) % rings[k]])

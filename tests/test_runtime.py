@@ -153,7 +153,7 @@ def test_replicas_equal_one_replica_fed_the_global_batch(algorithm, model):
       # Every replica of a stage holds the same parameters; activations in the stash are
       # split over the replicas rather than copied to each.
       for s in state["stages"]:
-        for leaf in jax.tree.leaves(s["params"]):
+        for leaf in jax.tree.leaves(s["core"]):
           a, b = (np.asarray(x.data) for x in leaf.addressable_shards)
           np.testing.assert_array_equal(a, b)
       specs = [a.sharding.spec for a in jax.tree.leaves(state["stages"][0]["stash"])]

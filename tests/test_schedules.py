@@ -136,7 +136,7 @@ def test_bp_equals_unsplit_model(K):
   state, m = sched.step(sched.init(params, states), (x, y))
   np.testing.assert_allclose(float(m["loss"]), float(ref_loss), atol=1e-6, rtol=0)
   for k in range(K):
-    assert_trees_close(state["stages"][k]["opt_state"], ref_grads[k], atol=1e-6)
+    assert_trees_close(sched.stage_state(state, k)["opt_state"], ref_grads[k], atol=1e-6)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -216,13 +216,14 @@ def test_warm_up_leaves_params_and_optimizer_untouched():
   applies, params, states = make_model("bn", K)
   sched = fdg_jax.fdg(stages_of(applies), loss_fn, optax.adam(1e-2))
   state = sched.init(params, states)
-  initial = jax.tree.map(np.asarray, [(s["params"], s["opt_state"]) for s in state["stages"]])
+  initial = [jax.tree.map(np.asarray, (s["params"], s["opt_state"]))
+             for s in (sched.stage_state(state, k) for k in range(K))]
   for t, b in enumerate(batches(2 * K)):
     state, _ = sched.step(state, b)
     for k in range(K):
       first_update = 2 * (K - 1) - k
-      now = jax.tree.map(np.asarray, (state["stages"][k]["params"],
-                                      state["stages"][k]["opt_state"]))
+      s = sched.stage_state(state, k)
+      now = jax.tree.map(np.asarray, (s["params"], s["opt_state"]))
       same = all(np.array_equal(a, b) for a, b in
                  zip(jax.tree.leaves(now), jax.tree.leaves(initial[k])))
       assert same == (t < first_update), (k, t)
@@ -242,8 +243,8 @@ def test_stages_on_separate_devices_equal_one_device(algorithm):
     results.append(got)
     if devices is not None:
       for k in range(K):
-        leaf = jax.tree.leaves(state["stages"][k]["params"])[0]
-        assert leaf.devices() == {devices[k]}
+        for leaf in jax.tree.leaves(state["stages"][k]):
+          assert leaf.devices() == {devices[k]}
   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
