@@ -48,7 +48,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every_steps = 500
   c.eval_every_epochs = 1
   c.log_every_steps = 50
-  c.num_cpu_devices = 4        # on CPU: devices to create so stages are placed apart
+  c.num_cpu_devices = 4        # on CPU: devices to create so stages can be placed apart
+  c.engine = "auto"            # auto | fused (all stages in one program on one device) |
+                               # per_stage (a device per stage); auto: fused on CPU
+  c.ticks_per_call = 32        # ticks run by one schedule.run call (fewer at log, eval and
+                               # checkpoint boundaries)
   c.num_replicas = 1           # data-parallel replicas of the pipeline (DP x FDG)
   c.eval_batch_size = 512
   c.max_steps = -1             # stop after this many ticks (-1: num_epochs)

@@ -141,28 +141,58 @@ def placement_for(num_stages: int):
   return None, "1 device"
 
 
-def make_schedule(algorithm, stages, *, backward="stash", devices=None):
+def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="auto"):
   import fdg_jax
-  kwargs = {"devices": devices}
+  kwargs = {"devices": devices, "engine": engine}
   if algorithm != "bp":
     kwargs["backward"] = backward
   return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), **kwargs)
 
 
-def prepare(schedule, params, states, batch, warmup: int | None = None) -> dict:
+def prepare(schedule, params, states, batch, warmup: int | None = None,
+            run_ticks: int | None = None) -> dict:
   """A schedule in its steady state, ready for `time_interleaved`.
 
   Runs `warmup` ticks (default 2(K-1)+2: past the pipeline fill, where the last per-stage
-  variants compile) and blocks.
+  variants compile) and blocks. With `run_ticks` = T the schedule is timed through
+  `schedule.run` on T stacked copies of `batch` (placed once, like the batch), else through
+  `schedule.step`.
   """
+  jax = _jax()
   K = schedule.num_stages
   warmup = 2 * (K - 1) + 2 if warmup is None else warmup
   state = schedule.init(params, states, example_batch=batch)
-  m = {}
-  for _ in range(warmup):
-    state, m = schedule.step(state, batch)
+  entry = {"schedule": schedule, "batch": batch, "run_ticks": run_ticks}
+  if run_ticks:
+    stack = lambda a: jax.numpy.stack([a] * run_ticks)
+    entry["stacked"] = jax.tree.map(stack, batch)
+    state, m = schedule.run(state, entry["stacked"])
+    state, m = schedule.run(state, entry["stacked"])
+  else:
+    m = {}
+    for _ in range(warmup):
+      state, m = schedule.step(state, batch)
   block((state["stages"], state["inbox"], m))
-  return {"schedule": schedule, "state": state, "batch": batch, "metrics": m}
+  entry.update(state=state, metrics=m)
+  return entry
+
+
+def _advance(entry, ticks: int):
+  """`ticks` ticks of a prepared entry (by `step`, or by `run` calls of its T ticks)."""
+  schedule, state, m = entry["schedule"], entry["state"], entry["metrics"]
+  T = entry["run_ticks"]
+  if T:
+    for _ in range(max(ticks // T, 1)):
+      state, m = schedule.run(state, entry["stacked"])
+  else:
+    for _ in range(ticks):
+      state, m = schedule.step(state, entry["batch"])
+  return state, m
+
+
+def _last_loss(m) -> float:
+  loss = m["loss"]
+  return float(loss[-1] if getattr(loss, "ndim", 0) else loss)
 
 
 def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> list[dict]:
@@ -171,23 +201,23 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
   Interleaving puts every schedule's i-th repetition next to the others' in time, so a slow
   spell of a shared machine hits all of them alike (and per-repetition ratios cancel it).
   Returns, per entry, `step` (blocked at the end of each repetition) and `host` (the time for
-  the `ticks` calls to return, before blocking) lists, and whether the last loss is finite.
+  the calls to return, before blocking) lists, and whether the last loss is finite. An
+  entry timed through `run` takes ticks // T calls of T ticks (at least one).
   """
   out = [{"step": [], "host": []} for _ in entries]
   for _ in range(repeats):
     for e, o in zip(entries, out):
-      schedule, state, batch = e["schedule"], e["state"], e["batch"]
+      n = max(ticks // e["run_ticks"], 1) * e["run_ticks"] if e["run_ticks"] else ticks
       t0 = time.perf_counter()
-      for _ in range(ticks):
-        state, m = schedule.step(state, batch)
+      state, m = _advance(e, ticks)
       t1 = time.perf_counter()
       block((state["stages"], state["inbox"], m))
       t2 = time.perf_counter()
       e["state"], e["metrics"] = state, m
-      o["host"].append((t1 - t0) / ticks)
-      o["step"].append((t2 - t0) / ticks)
+      o["host"].append((t1 - t0) / n)
+      o["step"].append((t2 - t0) / n)
   for e, o in zip(entries, out):
-    o["loss_finite"] = math.isfinite(float(e["metrics"]["loss"]))
+    o["loss_finite"] = math.isfinite(_last_loss(e["metrics"]))
   return out
 
 
@@ -239,44 +269,62 @@ def throughput_table(rows) -> str:
 
 
 # ------------------------------------------------------------------------------ overhead
+def _paths(args) -> list[tuple[str, int | None]]:
+  """(label, T) of the calls timed: `step` (T None) and/or `run` of T ticks per call."""
+  return [("step", None) if p == "step" else (f"run T={args.run_ticks}", args.run_ticks)
+          for p in args.paths]
+
+
 def bench_overhead(args, model) -> list[dict]:
   """Per-sample time on ONE device of each schedule split into K stages over BP K=1's.
 
-  The ratio is taken per repetition against BP K=1's interleaved repetition, then the median.
+  Each call path (`step`, `run`) is compared with BP K=1 through the same path. The ratio
+  is taken per repetition against BP K=1's interleaved repetition, then the median.
   """
   dev = _jax().devices()[0]
   batch = random_batch(model, args.batch_size, dev)
   _, stages1, params1, states1 = build_stages(model, 1, args.split, args.batch_size)
-  rows = [{"algorithm": "bp", "num_stages": 1, "backward": None}]
-  entries = [prepare(make_schedule("bp", stages1), params1, states1, batch)]
-  for K in [k for k in args.stages if k > 1]:
-    _, stages, params, states = build_stages(model, K, args.split, args.batch_size)
-    variants = [("bp", None)] + [(a, p) for a in ("ddg", "fdg") if a in args.algorithms
-                                 for p in POLICIES]
-    for algorithm, policy in variants:
-      schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None)
-      entries.append(prepare(schedule, params, states, batch))
-      rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy})
+  Ks = [k for k in args.stages if k > 1]
+  split = {K: build_stages(model, K, args.split, args.batch_size) for K in Ks}
+  rows, entries, bases = [], [], []
+  for path, T in _paths(args):
+    base = len(entries)
+    rows.append({"algorithm": "bp", "num_stages": 1, "backward": None, "path": path})
+    entries.append(prepare(make_schedule("bp", stages1), params1, states1, batch,
+                           run_ticks=T))
+    bases.append(base)
+    for K in Ks:
+      _, stages, params, states = split[K]
+      variants = [("bp", None)] + [(a, p) for a in ("ddg", "fdg") if a in args.algorithms
+                                   for p in POLICIES]
+      for algorithm, policy in variants:
+        schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None)
+        entries.append(prepare(schedule, params, states, batch, run_ticks=T))
+        rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy,
+                     "path": path})
+        bases.append(base)
   times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
-  base = times[0]["step"]
-  for row, t in zip(rows, times):
-    ratios = [x / b for x, b in zip(t["step"], base)]
+  for row, t, base in zip(rows, times, bases):
+    b = times[base]["step"]
+    ratios = [x / y for x, y in zip(t["step"], b)]
     row.update(time_per_sample_s=spread([x / args.batch_size for x in t["step"]]),
                ratio_vs_bp=statistics.median(ratios), ratio_vs_bp_spread=spread(ratios),
                # Fastest over fastest: the least disturbed repetitions of a shared machine.
-               ratio_of_minima=min(t["step"]) / min(base))
-    _progress(f"overhead {row['algorithm']} K={row['num_stages']} {row['backward'] or ''}: "
-              f"x{row['ratio_vs_bp']:.3f}")
+               ratio_of_minima=min(t["step"]) / min(b))
+    _progress(f"overhead {row['path']} {row['algorithm']} K={row['num_stages']} "
+              f"{row['backward'] or ''}: x{row['ratio_vs_bp']:.3f}")
   del entries
   return rows
 
 
 def overhead_table(rows) -> str:
-  lines = ["| algorithm | K | backward | µs per sample, median [min, max] | "
-           "× BP K=1, median [min, max] | × BP K=1, min / min |", "|---|---|---|---|---|---|"]
+  lines = ["| path | algorithm | K | backward | µs per sample, median [min, max] | "
+           "× BP K=1 (same path), median [min, max] | × BP K=1, min / min |",
+           "|---|---|---|---|---|---|---|"]
   for r in rows:
     s, q = r["time_per_sample_s"], r["ratio_vs_bp_spread"]
-    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r['backward'] or '–'} | "
+    lines.append(f"| {r.get('path', 'step')} | {r['algorithm'].upper()} | {r['num_stages']} | "
+                 f"{r['backward'] or '–'} | "
                  f"{1e6 * s['median']:.2f} [{1e6 * s['min']:.2f}, {1e6 * s['max']:.2f}] | "
                  f"{r['ratio_vs_bp']:.3f} [{q['min']:.3f}, {q['max']:.3f}] | "
                  f"{r['ratio_of_minima']:.3f} |")
@@ -287,9 +335,9 @@ def overhead_table(rows) -> str:
 def bench_dispatch(args) -> list[dict]:
   """Host time per tick (no blocking) of a tiny model, and per stage (÷ K).
 
-  Jitted calls per steady-state tick: BP 2K-1 (K-1 forwards, the last stage, K-1 backwards),
-  DDG 2K-1 as well (the same calls; the backwards take last tick's cotangents), FDG K (one
-  fused backward-then-forward call per stage); plus the `device_put`s of the messages.
+  Each (algorithm, K) is timed through `step` and `run` (--paths), on K devices (the
+  per-stage engine: a jitted call per stage, 2K-1 per tick for BP and DDG, K for FDG, plus
+  the moves of the messages) and on one device (the fused engine: one program per call).
   """
   name, kwargs, shape, batch_size = TINY
   model = build_model(name, kwargs, shape)
@@ -297,30 +345,35 @@ def bench_dispatch(args) -> list[dict]:
   for K in args.stages:
     _, stages, params, states = build_stages(model, K, "uniform", batch_size)
     devices, where = placement_for(K)
-    batch = random_batch(model, batch_size, devices[0] if devices else None)
-    for algorithm in args.algorithms:
-      schedule = make_schedule(algorithm, stages, devices=devices)
-      entries.append(prepare(schedule, params, states, batch))
-      rows.append({"algorithm": algorithm, "num_stages": K, "placement": where,
-                   "ticks": args.dispatch_ticks})
+    places = [(devices, where, "per_stage")] if devices else []
+    places.append((None, "1 device", "fused"))
+    for path, T in _paths(args):
+      for devs, label, engine in places:
+        batch = random_batch(model, batch_size, devs[0] if devs else None)
+        for algorithm in args.algorithms:
+          schedule = make_schedule(algorithm, stages, devices=devs, engine=engine)
+          entries.append(prepare(schedule, params, states, batch, run_ticks=T))
+          rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
+                       "engine": engine, "path": path, "ticks": args.dispatch_ticks})
   times = time_interleaved(entries, ticks=args.dispatch_ticks, repeats=args.repeats)
   for row, t in zip(rows, times):
     K = row["num_stages"]
     row.update(host_time_per_tick_s=spread(t["host"]),
                host_time_per_stage_tick_s=spread([h / K for h in t["host"]]),
                step_time_s=spread(t["step"]))
-    _progress(f"dispatch {row['algorithm']} K={K}: "
+    _progress(f"dispatch {row['path']} {row['engine']} {row['algorithm']} K={K}: "
               f"{1e6 * row['host_time_per_stage_tick_s']['median']:.0f} µs/stage-tick")
   del entries
   return rows
 
 
 def dispatch_table(rows) -> str:
-  lines = ["| algorithm | K | placement | host µs per tick | host µs per stage per tick, "
-           "median [min, max] | blocked µs per tick |", "|---|---|---|---|---|---|"]
+  lines = ["| algorithm | K | path | placement (engine) | host µs per tick | host µs per stage "
+           "per tick, median [min, max] | blocked µs per tick |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     h, p = r["host_time_per_tick_s"], r["host_time_per_stage_tick_s"]
-    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r['placement']} | "
+    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r.get('path', 'step')} | "
+                 f"{r['placement']} ({r.get('engine', 'per_stage')}) | "
                  f"{1e6 * h['median']:.0f} | {1e6 * p['median']:.0f} [{1e6 * p['min']:.0f}, "
                  f"{1e6 * p['max']:.0f}] | {1e6 * r['step_time_s']['median']:.0f} |")
   return "\n".join(lines)
@@ -657,6 +710,9 @@ def parse_args(argv=None):
   parser.add_argument("--ticks", type=int, default=20, help="timed ticks per repetition")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--dispatch_ticks", type=int, default=200)
+  parser.add_argument("--paths", nargs="+", default=["run", "step"], choices=("run", "step"),
+                      help="how overhead and dispatch call the schedule")
+  parser.add_argument("--run_ticks", type=int, default=32, help="T of each run call")
   parser.add_argument("--presets", nargs="+", default=["resnet20", "mlp_digits"],
                       choices=sorted(PRESETS), help="memory benchmark models")
   parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 16],

@@ -85,8 +85,10 @@ def validate(config) -> None:
     _fail(f"unknown lr_schedule {config.lr_schedule!r}; use constant, multistep or cosine")
   if config.warmup_epochs < 0 or config.warmup_epochs > config.num_epochs:
     _fail(f"warmup_epochs={config.warmup_epochs} must lie in [0, num_epochs]")
+  if config.get("engine", "auto") not in ("auto", "fused", "per_stage"):
+    _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage")
   for key in ("checkpoint_every_steps", "eval_every_epochs", "log_every_steps",
-              "eval_batch_size"):
+              "eval_batch_size", "ticks_per_call"):
     if key in config and (not isinstance(config[key], int) or config[key] < 1):
       _fail(f"{key}={config[key]} must be an integer >= 1")
   if "max_steps" in config and (not isinstance(config.max_steps, int) or config.max_steps == 0

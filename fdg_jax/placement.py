@@ -156,9 +156,7 @@ class Placement:
     """
     shardings = self.message_shardings(k, tree)
     if self.batch_shardings[k].is_fully_addressable:
-      # One batched device_put for the whole message: per-leaf calls cost ~0.1 ms each of
-      # host time, which is most of a tick's dispatch for small stages.
-      return jax.device_put(tree, shardings)
+      return put_local(tree, shardings)
 
     def put(a, s):
       if isinstance(a, jax.Array) and not a.is_fully_addressable:
@@ -169,12 +167,74 @@ class Placement:
     return jax.tree.map(put, tree, shardings)
 
   def put_batches(self, messages):
-    """`[put_batch(k, tree) for k, tree in messages]`, as one device_put where possible."""
+    """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible."""
     messages = list(messages)
     if all(self.batch_shardings[k].is_fully_addressable for k, _ in messages):
       shardings = [self.message_shardings(k, tree) for k, tree in messages]
-      return jax.device_put([tree for _, tree in messages], shardings)
+      return put_local([tree for _, tree in messages], shardings)
     return [self.put_batch(k, tree) for k, tree in messages]
+
+
+def put_local(tree, shardings):
+  """`jax.device_put(tree, shardings)` within one process, with less host time per leaf.
+
+  Leaves already where they belong are kept; device arrays go to their target in one
+  batched copy between devices (the C++ call JAX itself uses for cross-host copies, about
+  5x less host time per leaf than `jax.device_put` here) where the source and target
+  shardings have the same shape; the rest (host data, reshardings) through `device_put`.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(shardings)
+  out: list = list(leaves)
+  copy_idx, put_idx = [], []
+  for i, (a, s) in enumerate(zip(leaves, targets)):
+    if isinstance(a, jax.Array) and a.committed and a.sharding.is_equivalent_to(s, a.ndim):
+      continue
+    (copy_idx if _copyable(a, s) else put_idx).append(i)
+  if copy_idx:
+    moved = _batched_copy([leaves[i] for i in copy_idx], [targets[i] for i in copy_idx])
+    for i, m in zip(copy_idx, moved):
+      out[i] = m
+  if put_idx:
+    moved = jax.device_put([leaves[i] for i in put_idx], [targets[i] for i in put_idx])
+    for i, m in zip(put_idx, moved):
+      out[i] = m
+  return treedef.unflatten(out)
+
+
+def _copyable(a, target) -> bool:
+  """Whether `a` can move to `target` shard for shard (same sharding but for devices)."""
+  if _BATCHED_COPY is None or not isinstance(a, jax.Array) or not a.is_fully_addressable:
+    return False
+  src = a.sharding
+  if isinstance(src, SingleDeviceSharding) and isinstance(target, SingleDeviceSharding):
+    return True
+  return (isinstance(src, NamedSharding) and isinstance(target, NamedSharding)
+          and src.spec == target.spec and src.mesh.devices.shape == target.mesh.devices.shape
+          and src.mesh.axis_names == target.mesh.axis_names)
+
+
+def _find_batched_copy():
+  try:
+    from jax._src.lib import xla_client as xc
+    fn = xc.batched_copy_array_to_devices_with_sharding
+    always = xc.ArrayCopySemantics.ALWAYS_COPY
+  except (ImportError, AttributeError):  # another JAX version: device_put does it all
+    return None
+
+  def copy(arrays, shardings):
+    return fn(arrays, [s._internal_device_list for s in shardings], shardings,
+              [always] * len(arrays))
+  return copy
+
+
+_BATCHED_COPY = _find_batched_copy()
+
+
+def _batched_copy(arrays, shardings):
+  # An explicit move, like device_put: not what a transfer guard is there to catch.
+  with jax.transfer_guard_device_to_device("allow"):
+    return _BATCHED_COPY(arrays, shardings)
 
 
 def move(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:

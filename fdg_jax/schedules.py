@@ -81,6 +81,15 @@ def _select(flag, new, old):
   return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
 
+def _stage_key(stage_rng, batch):
+  """The key of a stage's stochastic layers (dropout) for batch `batch`.
+
+  Derived, not carried: a stage whose layers draw nothing lets XLA drop the hash (on CPU a
+  loop per call), and `recompute` rebuilds the forward's key from the stashed batch index.
+  """
+  return jax.random.fold_in(stage_rng, batch)
+
+
 def _count(flag):
   """1 if `flag` else 0, as int32 (static for a Python bool)."""
   return 1 if flag is True else flag.astype(jnp.int32)
@@ -139,6 +148,7 @@ class Schedule:
     self._stash_treedefs: list = [None] * self.num_stages
     self._batch_spec = None
     self._has_conv = None
+    self._metrics_shapes = None
     self._step_fns: dict = {}
     self._eval_fns: dict = {}
     self._unpack_fns: dict = {}
@@ -216,15 +226,17 @@ class Schedule:
       entry = tuple(jax.tree.leaves(vjp_fn))
     else:
       y, new_state = self.stages[k].apply(params, model_state, x, train=True, rng=rng)
-      entry = (x, rng)
+      entry = (x,)  # the key is rebuilt from the batch index (see `_stage_key`)
     return y, new_state, entry
 
-  def _backward(self, k, params, model_state, entry, cotangent):
-    """Gradient w.r.t. stage k's params and input, given the stash entry and a cotangent."""
+  def _backward(self, k, params, model_state, entry, cotangent, rng):
+    """Gradient w.r.t. stage k's params and input, given the stash entry and a cotangent.
+
+    `rng` is the key the forward used (needed only to recompute it)."""
     if self.backward == "stash":
       vjp_fn = jax.tree.unflatten(self._stash_treedefs[k], list(entry))
     else:
-      x, rng = entry
+      x, = entry
       _, vjp_fn, _ = self._vjp(k, params, model_state, x, rng)
     grad_params, grad_x, _ = vjp_fn(cotangent)
     return grad_params, grad_x
@@ -244,14 +256,14 @@ class Schedule:
     updates (a masked `updated` is NO_UPDATE).
     """
     D = ring_size(self.algorithm, k, self.num_stages)
-    layout = self._stash_layouts[k]
     s = dict(s)
     params_fwd = s["params"]
     act_out = cot_out = updated = None
     if do_bwd is not False:
       slot = s["pops"] % D
-      entry = layout.unpack({name: buf[slot] for name, buf in s["stash"].items()})
-      grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot)
+      entry = self._ring_read(k, s["stash"], slot)
+      key = _stage_key(s["rng"], s["stash_batch"][slot])
+      grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot, key)
       params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
       params, opt_state = _select(do_bwd, (params, opt_state), (s["params"], s["opt_state"]))
       updated = _select(do_bwd, s["stash_batch"][slot], NO_UPDATE)
@@ -265,18 +277,32 @@ class Schedule:
         (x, y), batch = act, s["pushes"]
       else:
         x, y, batch = act
-      rng, sub = jax.random.split(s["rng"])
-      h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x, sub)
+      h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x,
+                                            _stage_key(s["rng"], batch))
       slot = s["pushes"] % D
-      packed = layout.pack(entry)
-      s["stash"] = {name: buf.at[slot].set(_select(do_fwd, packed[name], buf[slot]))
-                    for name, buf in s["stash"].items()}
+      s["stash"] = self._ring_write(k, s["stash"], slot, entry, do_fwd)
       s["stash_batch"] = s["stash_batch"].at[slot].set(
           _select(do_fwd, batch, s["stash_batch"][slot]))
-      model_state, rng = _select(do_fwd, (model_state, rng), (s["model_state"], s["rng"]))
-      s.update(model_state=model_state, rng=rng, pushes=s["pushes"] + _count(do_fwd))
+      model_state = _select(do_fwd, model_state, s["model_state"])
+      s.update(model_state=model_state, pushes=s["pushes"] + _count(do_fwd))
       act_out = (h, y, batch)
     return s, act_out, cot_out, updated
+
+  def _ring_read(self, k, ring, slot):
+    """Stash entry `slot` of stage k's ring: packed (a dict of [D, ...] group buffers, as
+    carried between calls) or per leaf (inside a fused loop, see `_fused_fn`)."""
+    if isinstance(ring, dict):
+      return self._stash_layouts[k].unpack({name: buf[slot] for name, buf in ring.items()})
+    return jax.tree.map(lambda buf: buf[slot], ring)
+
+  def _ring_write(self, k, ring, slot, entry, flag):
+    """`ring` with `entry` written to `slot` where `flag` (see `_ring_read`)."""
+    if isinstance(ring, dict):
+      packed = self._stash_layouts[k].pack(entry)
+      return {name: buf.at[slot].set(_select(flag, packed[name], buf[slot]))
+              for name, buf in ring.items()}
+    return jax.tree.map(lambda buf, e: buf.at[slot].set(_select(flag, e, buf[slot])),
+                        ring, entry)
 
   def _last_work(self, s, act, active):
     """The last stage at one tick: forward, loss, gradient, update.
@@ -290,7 +316,7 @@ class Schedule:
       (x, y), batch = act, s["pushes"]
     else:
       x, y, batch = act
-    rng, sub = jax.random.split(s["rng"])
+    sub = _stage_key(s["rng"], batch)
 
     def loss(p, a):
       out, ms = stage.apply(p, s["model_state"], a, train=True, rng=sub)
@@ -301,9 +327,9 @@ class Schedule:
         s["params"], x)
     grads, grad_x = grads if K > 1 else (grads, None)
     params, opt_state = self._update(K - 1, s["params"], s["opt_state"], grads)
-    new = _select(active, (params, opt_state, ms, rng),
-                  (s["params"], s["opt_state"], s["model_state"], s["rng"]))
-    s.update(zip(("params", "opt_state", "model_state", "rng"), new))
+    new = _select(active, (params, opt_state, ms),
+                  (s["params"], s["opt_state"], s["model_state"]))
+    s.update(zip(("params", "opt_state", "model_state"), new))
     s["pushes"] = s["pushes"] + _count(active)
     metrics = {"loss": value, "batch": batch, **self.metrics_fn(out, y)}
     return s, grad_x, metrics
@@ -464,26 +490,36 @@ class Schedule:
     return fn
 
   # ------------------------------------------------------------------ fused engine
-  def _fused_fn(self, num_ticks: int | None, steady: bool):
-    """Every stage in one jitted program on one device: one tick, or `num_ticks` scanned.
+  def _fused_fn(self, num_ticks: int | None):
+    """Every stage in one jitted program on one device: one tick, or a loop of ticks.
 
-    `steady`: every tick lies past the pipeline fill (static flags, no masking); otherwise
-    the flags are traced from the tick and mask the warm-up.
+    The warm-up flags are traced from the tick and mask the pipeline fill, so one program
+    serves every tick (masking costs about 3% of a steady tick of the quick-start MLP, less
+    than a second compiled variant would cost to compile).
     One tick: (packed stages, inbox, (x, y), t) -> (packed stages, inbox, updated, metrics).
-    Scanned: (packed stages, inbox, xs, ys, t0) -> (packed stages, inbox, stacked metrics).
+    Loop: (packed stages, inbox, xs, ys, t0, n) -> (packed stages, inbox, stacked metrics).
     """
-    key = ("fused", num_ticks, steady)
+    key = ("fused", num_ticks)
     if key in self._step_fns:
       return self._step_fns[key]
     K, ops = self.num_stages, self._fused_ops
 
     def tick(stages, inbox, batch, t):
-      return self._tick(stages, inbox, batch, None if steady else t, ops)
+      return self._tick(stages, inbox, batch, t, ops)
 
+    # Inside the program the rings are held per leaf ([D, ...] each), so a tick writes a
+    # stash entry in place, leaf by leaf, rather than concatenating it into the packed
+    # buffer; they are packed again once per call.
     def unpack_all(packed):
-      return [self._unpack_stage(k, p) for k, p in enumerate(packed)]
+      stages = [self._unpack_stage(k, p) for k, p in enumerate(packed)]
+      for k, s in enumerate(stages[:-1]):
+        s["stash"] = jax.vmap(self._stash_layouts[k].unpack)(s["stash"])
+      return stages
 
     def pack_all(stages):
+      stages = [dict(s) for s in stages]
+      for k, s in enumerate(stages[:-1]):
+        s["stash"] = jax.vmap(self._stash_layouts[k].pack)(s["stash"])
       return [self._pack_stage(k, s) for k, s in enumerate(stages)]
 
     if num_ticks is None:
@@ -492,17 +528,26 @@ class Schedule:
         return pack_all(stages), inbox, updated, metrics
       fn = jax.jit(one, donate_argnums=(0, 1))
     else:
-      def many(packed, inbox, xs, ys, t0):
-        def body(carry, batch):
-          stages, inbox, t = carry
-          stages, inbox, updated, metrics, active = tick(stages, inbox, batch, t)
-          out = {**metrics, "valid": jnp.asarray(active),
+      def many(packed, inbox, xs, ys, t0, n):
+        # A loop of n <= num_ticks iterations over the first n batches (n traced), so one
+        # program serves every call with up to num_ticks ticks; metrics past n stay unset.
+        spec = self._metrics_spec()
+        outs = {name: jnp.zeros((num_ticks,) + a.shape, a.dtype) for name, a in spec.items()}
+        outs["valid"] = jnp.zeros((num_ticks,), bool)
+        outs["updated"] = jnp.full((num_ticks, K), NO_UPDATE, jnp.int32)
+
+        def body(i, carry):
+          stages, inbox, outs = carry
+          batch = jax.tree.map(lambda a: a[i], (xs, ys))
+          stages, inbox, updated, metrics, active = tick(stages, inbox, batch, t0 + i)
+          row = {**metrics, "valid": jnp.asarray(active),
                  "updated": jnp.stack([jnp.int32(NO_UPDATE) if u is None else u
                                        for u in updated])}
-          return (stages, inbox, t + 1), out
-        (stages, inbox, _), out = jax.lax.scan(body, (unpack_all(packed), inbox, t0),
-                                               (xs, ys))
-        return pack_all(stages), inbox, out
+          outs = {name: outs[name].at[i].set(row[name]) for name in outs}
+          return stages, inbox, outs
+
+        stages, inbox, outs = jax.lax.fori_loop(0, n, body, (unpack_all(packed), inbox, outs))
+        return pack_all(stages), inbox, outs
       fn = jax.jit(many, donate_argnums=(0, 1))
     self._step_fns[key] = fn
     return fn
@@ -577,7 +622,7 @@ class Schedule:
         leaves, treedef = jax.tree.flatten(vjp_spec)
         entry = tuple(leaves)
       else:
-        entry, treedef = (a, s["rng"]), None
+        entry, treedef = (a,), None
       h, _, _ = jax.eval_shape(lambda *z: self._forward(k, *z), *args)
       return entry, treedef, h
 
@@ -667,7 +712,7 @@ class Schedule:
     state = self._ready(state, batch_msg)
     t = int(state["tick"])
     if self.engine == "fused":
-      fn = self._fused_fn(None, t >= self.fill_ticks)
+      fn = self._fused_fn(None)
       stages, inbox, updated, metrics = fn(state["stages"], state["inbox"], batch_msg,
                                            np.int32(t))
       # A masked program computes every stage's work; keep what the tick really did.
@@ -681,23 +726,31 @@ class Schedule:
     metrics = {**metrics, "tick": t, "updated": tuple(updated)}
     return {"tick": np.asarray(t + 1, np.int64), "stages": stages, "inbox": inbox}, metrics
 
-  def run(self, state: dict, batches) -> tuple[dict, dict]:
-    """Runs T ticks: `batches = (xs, ys)` with a leading ticks axis of length T.
+  def run(self, state: dict, batches, num_ticks: int | None = None) -> tuple[dict, dict]:
+    """Runs T ticks: `batches = (xs, ys)` with a leading ticks axis.
 
     Equals T calls of `step` (same state, same `updated` trace). The fused engine runs the
-    T ticks as one program (`lax.scan`) where `scan` holds, else one program per tick; the
+    ticks as one program (a device loop) where `scan` holds, else one program per tick; the
     per-stage engine dispatches them from the host.
 
+    Args:
+      state: the schedule state (donated).
+      batches: (xs, ys), each with a leading axis of length L >= T.
+      num_ticks: T, the ticks to run, over the first T batches (default L). The fused
+        program is compiled per L, not per T: a caller whose calls vary in length (ending
+        at evaluation or checkpoint steps) passes buffers of one length L and varies T.
     Returns:
-      (state, metrics): per-tick metrics stacked along T. `tick` [T] (host ints);
-      `updated` int32 [T, K], the batch whose gradient stage k applied at that tick or
-      NO_UPDATE (-1); `valid` bool [T], whether a batch reached the loss at that tick; and
-      `loss`, `batch` and the `metrics_fn` values [T], meaningful where `valid`.
+      (state, metrics): per-tick metrics stacked along L. `tick` [L] (host ints; -1 past
+      T); `updated` int32 [L, K], the batch whose gradient stage k applied at that tick or
+      NO_UPDATE (-1); `valid` bool [L], whether a batch reached the loss at that tick
+      (False past T); and `loss`, `batch` and the `metrics_fn` values [L], meaningful
+      where `valid`.
     """
     xs, ys = batches
-    T = int(np.shape(jax.tree.leaves(xs)[0])[0])
-    if T < 1:
-      raise ValueError("run needs at least one tick (a leading axis of length >= 1)")
+    length = int(np.shape(jax.tree.leaves(xs)[0])[0])
+    T = length if num_ticks is None else int(num_ticks)
+    if not 1 <= T <= length:
+      raise ValueError(f"run needs 1 <= num_ticks <= {length} (the batches given), got {T}")
     t0 = int(state["tick"])
     first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), (xs, ys))
     if self.engine == "fused":
@@ -705,45 +758,44 @@ class Schedule:
       if self.scan:
         device = self.placement.single_device
         xs, ys = jax.device_put((xs, ys), device)
-        fn = self._fused_fn(T, t0 >= self.fill_ticks)
-        stages, inbox, out = fn(state["stages"], state["inbox"], xs, ys, np.int32(t0))
-        out["tick"] = np.arange(t0, t0 + T)
+        fn = self._fused_fn(length)
+        stages, inbox, out = fn(state["stages"], state["inbox"], xs, ys, np.int32(t0),
+                                np.int32(T))
+        out["tick"] = _ticks(t0, T, length)
         return {"tick": np.asarray(t0 + T, np.int64), "stages": stages, "inbox": inbox}, out
-    return self._run_by_steps(state, xs, ys, T)
+    return self._run_by_steps(state, xs, ys, T, length)
 
-  def _run_by_steps(self, state, xs, ys, T):
+  def _run_by_steps(self, state, xs, ys, T, length):
     """`run` as T calls of `step`, the metrics stacked on the last stage's devices."""
     K, P = self.num_stages, self.placement
     t0 = int(state["tick"])
     per_tick = []
-    for i in range(T):
-      batch = jax.tree.map(lambda a: a[i], (xs, ys))
+    for batch in _unstack((xs, ys), T):
       state, m = self.step(state, batch)
       per_tick.append(m)
-    valid = np.asarray(["loss" in m for m in per_tick])
+    per_tick += [{"updated": (None,) * K}] * (length - T)  # unset entries past T
     spec = self._metrics_spec()
-    out = {}
-    for name, leaf in spec.items():
-      fill = self._constant(K - 1, 0, leaf.dtype)
-      out[name] = jnp.stack([m.get(name, fill) for m in per_tick])
+    out = _stack_jit({name: [m.get(name, self._constant(K - 1, 0, leaf.dtype))
+                             for m in per_tick] for name, leaf in spec.items()})
     columns = []
     for k in range(K):
       none = self._constant(k, NO_UPDATE, jnp.int32)
-      columns.append(jnp.stack([none if m["updated"][k] is None else m["updated"][k]
-                                for m in per_tick]))
-    columns = jax.device_put(columns, [P.scalar_shardings[K - 1]] * K)
-    out["updated"] = jnp.stack(columns, axis=1)
-    out["valid"] = valid
-    out["tick"] = np.arange(t0, t0 + T)
+      columns.append(_stack_jit([none if m["updated"][k] is None else m["updated"][k]
+                                 for m in per_tick]))
+    columns = P.put_batches([(K - 1, c) for c in columns])
+    out["updated"] = _stack_jit(columns, axis=1)
+    out["valid"] = np.asarray(["loss" in m for m in per_tick])
+    out["tick"] = _ticks(t0, T, length)
     return state, out
 
   def _metrics_spec(self) -> dict:
     """Shapes of the last stage's metrics (loss, batch, metrics_fn's)."""
-    K = self.num_stages
-    s = self._core_spec(K - 1)
-    act = self._batch_spec if K == 1 else self._act_specs[K - 2]
-    out = jax.eval_shape(lambda s, a: self._last_work(s, a, True)[2], s, act)
-    return out
+    if self._metrics_shapes is None:
+      K = self.num_stages
+      act = self._batch_spec if K == 1 else self._act_specs[K - 2]
+      self._metrics_shapes = jax.eval_shape(lambda s, a: self._last_work(s, a, True)[2],
+                                            self._core_spec(K - 1), act)
+    return self._metrics_shapes
 
   def _constant(self, k: int, value, dtype):
     """A cached device scalar on stage k's devices (fills ticks with no value)."""
@@ -833,6 +885,31 @@ class _FusedOps:
 
   def move_all(self, messages):
     return [m for _, m in messages]
+
+
+def _unstack(tree, num: int) -> list:
+  """The first `num` entries along the leading axis: free for host arrays, one call for
+  device arrays (indexing them one by one would be a dispatch per entry and leaf)."""
+  if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(tree)):
+    return [jax.tree.map(lambda a: a[i], tree) for i in range(num)]
+  return _unstack_jit(tree, num)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstack_jit(tree, num):
+  return [jax.tree.map(lambda a: a[i], tree) for i in range(num)]
+
+
+@functools.partial(jax.jit, static_argnames="axis")
+def _stack_jit(tree_of_lists, axis=0):
+  """`jnp.stack` of every list in the pytree, as one call (not one dispatch per entry)."""
+  return jax.tree.map(lambda xs: jnp.stack(xs, axis), tree_of_lists,
+                      is_leaf=lambda x: isinstance(x, list))
+
+
+def _ticks(t0: int, num_ticks: int, length: int) -> np.ndarray:
+  """run's `tick` metric: t0 .. t0+num_ticks-1, then -1 up to `length`."""
+  return np.where(np.arange(length) < num_ticks, t0 + np.arange(length), -1)
 
 
 def _zeros(spec, sharding):

@@ -62,13 +62,15 @@ def setup_cpu_devices(n: int) -> None:
       jax.config.update("jax_num_cpu_devices", int(n))
 
 
-def choose_placement(num_stages: int, num_replicas: int):
-  """`devices=` or `mesh=` for the schedule, from the devices this process sees.
+def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -> dict:
+  """`devices=`, `mesh=` and `engine=` for the schedule, from the devices this process sees.
 
-  One device per stage when there are enough (K, or R x K for R replicas); otherwise, with
-  one replica in one process, every stage on the first device (correct, just not
-  concurrent). Several processes (jax.distributed) need a mesh whose replica rows each stay
-  inside one process.
+  Several replicas or processes (jax.distributed) take a ("data", "stage") mesh whose replica
+  rows each stay inside one process. Otherwise `engine`: "fused" runs every stage in one
+  program on one device; "per_stage" puts stage k on device k (when there are K devices,
+  else all on the first); "auto" is fused on CPU, where forced devices share the host's
+  cores (so stages apart gain nothing) and one program per call costs far less host time,
+  and per_stage on K accelerators.
   """
   devices = jax.devices()
   need = num_stages * num_replicas
@@ -82,10 +84,13 @@ def choose_placement(num_stages: int, num_replicas: int):
       raise ConfigError(
           f"num_replicas={num_replicas} x num_stages={num_stages} needs {need} devices, "
           f"found {len(devices)}; lower num_replicas or set --config.num_cpu_devices={need}")
-    return {"mesh": runtime.make_mesh(num_replicas, num_stages)}
-  if len(devices) >= num_stages:
-    return {"devices": devices[:num_stages]}
-  return {"devices": None}
+    return {"mesh": runtime.make_mesh(num_replicas, num_stages), "engine": "per_stage"}
+  if engine == "auto":
+    apart = devices[0].platform != "cpu" and len(devices) >= num_stages > 1
+    engine = "per_stage" if apart else "fused"
+  if engine == "per_stage" and len(devices) >= num_stages:
+    return {"devices": devices[:num_stages], "engine": engine}
+  return {"devices": None, "engine": engine}
 
 
 def build(config, train_ds):
@@ -107,7 +112,8 @@ def make_schedule(config, stages, steps_per_epoch: int):
       milestones=tuple(config.lr_milestones), gamma=config.lr_gamma)
   opt = make_optimizer(config.optimizer, lr, momentum=config.momentum,
                        nesterov=config.nesterov, weight_decay=config.weight_decay)
-  kwargs = choose_placement(config.num_stages, config.num_replicas)
+  kwargs = choose_placement(config.num_stages, config.num_replicas,
+                            config.get("engine", "auto"))
   if config.algorithm == "fdg":
     kwargs["beta"] = config.beta
   if config.algorithm != "bp":
@@ -330,8 +336,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   writer = _MetricWriter(workdir, step)
   last_good = start
 
-  pending_loss: list = []
-  pending_acc: list = []
+  pending: list = []  # metrics of `run` calls whose losses are not read yet
+  ticks_per_call = config.get("ticks_per_call", 1)
+  xs = np.zeros((ticks_per_call,) + example[0].shape, example[0].dtype)
+  ys = np.zeros((ticks_per_call,) + example[1].shape, example[1].dtype)
   epoch_start_time = time.time()
   run_start = time.time() - progress["wall_time"]
   epoch_steps = 0
@@ -341,24 +349,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   multi_process = jax.process_count() > 1
 
   def flush_losses():
-    """Moves this interval's losses to the host and stops on a non-finite one."""
-    nonlocal pending_loss, pending_acc
-    if not pending_loss:
+    """Moves the losses of the last calls to the host and stops on a non-finite one."""
+    nonlocal pending
+    if not pending:
       return
-    losses = np.asarray(jax.device_get(pending_loss), np.float64)
-    accs = np.asarray(jax.device_get(pending_acc), np.float64)
-    pending_loss, pending_acc = [], []
+    got = jax.device_get([(m["loss"], m["accuracy"], m["valid"]) for m in pending])
+    ticks = np.concatenate([np.asarray(m["tick"]) for m in pending])
+    pending = []
+    valid = np.concatenate([np.asarray(v, bool).reshape(-1) for _, _, v in got])
+    losses = np.concatenate([np.asarray(l, np.float64).reshape(-1) for l, _, _ in got])[valid]
+    accs = np.concatenate([np.asarray(a, np.float64).reshape(-1) for _, a, _ in got])[valid]
     if not np.all(np.isfinite(losses)):
+      bad = int(ticks[valid][~np.isfinite(losses)][0]) + 1
       k = _nonfinite_stage(schedule, state)
       where = f"stage {k}'s parameters" if k is not None else "the loss"
       saved = (f"last good checkpoint: step {last_good} in {ckpt.directory}"
                if last_good is not None else "no checkpoint was saved yet")
       raise DivergedError(
-          f"training diverged: non-finite loss by step {step} ({where} non-finite); {saved}; "
-          "lower --config.learning_rate or --config.momentum, or try --config.beta<1")
+          f"training diverged: non-finite loss at step {bad} ({where} non-finite by step "
+          f"{step}); {saved}; lower --config.learning_rate or --config.momentum, or try "
+          "--config.beta<1")
     progress["train_loss_sum"] += float(losses.sum())
     progress["train_acc_sum"] += float(accs.sum())
     progress["train_count"] += int(losses.size)
+
+  def ticks_to_next_boundary():
+    """Ticks for the next `run` call: up to ticks_per_call, ending at the next log,
+    evaluation or checkpoint step (where the loop acts between calls)."""
+    return min(ticks_per_call, total_steps - step,
+               steps_per_epoch - step % steps_per_epoch,
+               config.log_every_steps - step % config.log_every_steps,
+               config.checkpoint_every_steps - step % config.checkpoint_every_steps)
 
   def save():
     nonlocal last_good, paused
@@ -383,15 +404,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       while step < total_steps:
         if bar is None and config.progress_bar:
           bar = _progress_bar(config, steps_per_epoch, step)
-        batch = next(train_it)
-        state, m = schedule.step(state, (batch["image"], batch["label"]))
-        if "loss" in m:
-          pending_loss.append(m["loss"])
-          pending_acc.append(m["accuracy"])
-        step += 1
-        epoch_steps += 1
+        num_ticks = ticks_to_next_boundary()
+        # Fresh buffers every call: a device may still read (or, on CPU, alias) the last ones.
+        xs, ys = np.zeros_like(xs), np.zeros_like(ys)
+        for i in range(num_ticks):
+          row = next(train_it)
+          xs[i], ys[i] = row["image"], row["label"]
+        # Buffers of one length (ticks_per_call) whatever num_ticks: one compiled program.
+        state, m = schedule.run(state, (xs, ys), num_ticks)
+        pending.append(m)
+        step += num_ticks
+        epoch_steps += num_ticks
         if bar is not None:
-          bar.update(1)
+          bar.update(num_ticks)
         if step % config.log_every_steps == 0:
           flush_losses()
           if bar is not None and progress["train_count"]:
