@@ -166,6 +166,13 @@ class Placement:
       return jax.make_array_from_process_local_data(s, np.asarray(a))
     return jax.tree.map(put, tree, shardings)
 
+  def put_replicated(self, k: int, tree):
+    """Moves device arrays to stage k's devices, replicated there (like its state)."""
+    sharding = self.state_shardings[k]
+    if sharding.is_fully_addressable:
+      return put_local(tree, jax.tree.map(lambda _: sharding, tree))
+    return jax.tree.map(lambda a: move(a, sharding), tree)
+
   def put_batches(self, messages):
     """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible."""
     messages = list(messages)

@@ -782,7 +782,7 @@ class Schedule:
       none = self._constant(k, NO_UPDATE, jnp.int32)
       columns.append(_stack_jit([none if m["updated"][k] is None else m["updated"][k]
                                  for m in per_tick]))
-    columns = P.put_batches([(K - 1, c) for c in columns])
+    columns = P.put_replicated(K - 1, columns)
     out["updated"] = _stack_jit(columns, axis=1)
     out["valid"] = np.asarray(["loss" in m for m in per_tick])
     out["tick"] = _ticks(t0, T, length)

@@ -1,0 +1,191 @@
+"""The engines: `run` (T ticks per call) and the fused one-device program equal `step`.
+
+The reference is the per-stage engine's `step` on separate devices, itself checked against
+the independent simulator in test_schedules.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fdg_jax
+from toy_models import assert_trees_close, batches, loss_fn, make_model
+
+
+def dropout_apply(params, model_state, x, *, train=True, rng=None):
+  """Dense -> tanh -> dropout(0.25): a stage whose result depends on its RNG key."""
+  h = jnp.tanh(x @ params["w"] + params["b"])
+  if train and rng is not None:
+    keep = jax.random.bernoulli(rng, 0.75, h.shape)
+    h = jnp.where(keep, h / 0.75, 0.0)
+  return h, model_state
+
+
+def model(kind, K):
+  applies, params, states = make_model("bn" if kind == "bn" else "mlp", K)
+  if kind == "dropout":
+    applies = [dropout_apply] * (K - 1) + applies[-1:]
+  return [fdg_jax.Stage(apply=a) for a in applies], params, states
+
+
+def stacked(data):
+  return (np.stack([np.asarray(x) for x, _ in data]), np.stack([np.asarray(y) for _, y in data]))
+
+
+def snapshot(sched, state):
+  """Everything a tick changes, unpacked: per stage core state and stash, and the inbox."""
+  K = sched.num_stages
+  stages = [jax.device_get(sched.stage_state(state, k)) for k in range(K)]
+  stashes = [jax.device_get(s.get("stash", {})) for s in state["stages"]]
+  return stages, stashes, jax.device_get(state["inbox"])
+
+
+def by_steps(sched, params, states, data):
+  state = sched.init(params, states)
+  trace = []
+  for b in data:
+    state, m = sched.step(state, b)
+    trace.append([-1 if u is None else int(u) for u in m["updated"]])
+  return state, trace
+
+
+def by_runs(sched, params, states, data, lengths, pad=0):
+  """`run` over consecutive chunks of `data` of the given lengths (buffers padded by `pad`)."""
+  state = sched.init(params, states)
+  xs, ys = stacked(data)
+  trace, start = [], 0
+  for n in lengths:
+    chunk = (np.concatenate([xs[start:start + n], np.zeros_like(xs[:pad])]),
+             np.concatenate([ys[start:start + n], np.zeros_like(ys[:pad])]))
+    state, m = sched.run(state, chunk, num_ticks=n)
+    assert list(m["tick"][:n]) == list(range(start, start + n))
+    assert list(m["tick"][n:]) == [-1] * pad
+    assert not np.asarray(m["valid"])[n:].any()
+    trace += np.asarray(m["updated"])[:n].tolist()
+    start += n
+  assert start == len(data)
+  return state, trace
+
+
+CASES = [("bp", 1.0, "stash"), ("ddg", 1.0, "stash"), ("ddg", 1.0, "recompute"),
+         ("fdg", 0.5, "stash"), ("fdg", 1.0, "recompute")]
+
+
+@pytest.mark.parametrize("kind", ["bn", "dropout"])
+@pytest.mark.parametrize("algorithm,beta,backward", CASES)
+def test_run_and_fused_engine_equal_per_stage_steps(algorithm, beta, backward, kind):
+  K = 3
+  stages, params, states = model(kind, K)
+  data = batches(13)
+  kwargs = {"backward": backward} if algorithm != "bp" else {}
+  if algorithm == "fdg":
+    kwargs["beta"] = beta
+  make = lambda **kw: fdg_jax.create(algorithm, stages, loss_fn,
+                                     optax.chain(optax.add_decayed_weights(1e-3),
+                                                 optax.sgd(0.05, momentum=0.9)),
+                                     **kwargs, **kw)
+  ref = make(devices=jax.devices()[:K])
+  assert ref.engine == "per_stage"
+  ref_state, ref_trace = by_steps(ref, params, states, data)
+  expected = snapshot(ref, ref_state)
+  runs = {
+      "fused step": lambda s: by_steps(s, params, states, data),
+      "fused run (loop)": lambda s: by_runs(s, params, states, data, [1, 4, 8], pad=2),
+      "fused run (per tick)": lambda s: by_runs(s, params, states, data, [5, 8]),
+      "per-stage run": lambda s: by_runs(s, params, states, data, [6, 7], pad=1),
+  }
+  for name, go in runs.items():
+    if name == "per-stage run":
+      sched = make(devices=jax.devices()[:K])
+    else:
+      sched = make(scan=name != "fused run (per tick)")
+      assert sched.engine == "fused"
+    state, trace = go(sched)
+    assert trace == ref_trace, name
+    got = snapshot(sched, state)
+    assert_trees_close(got[0], expected[0], atol=1e-6)
+    assert_trees_close(got[1], expected[1], atol=1e-6)
+    assert_trees_close(got[2], expected[2], atol=1e-6)
+  # Non-vacuous: every stage trained, and dropout changed the forward.
+  final = ref.params(ref_state)
+  for k in range(K):
+    assert not np.allclose(np.asarray(final[k]["w"]), np.asarray(params[k]["w"]))
+
+
+def test_run_metrics_match_step_metrics():
+  K = 3
+  stages, params, states = model("bn", K)
+  data = batches(9)
+  sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05))
+  state = sched.init(params, states)
+  losses = []
+  for b in data:
+    state, m = sched.step(state, b)
+    losses.append(float(m["loss"]) if "loss" in m else None)
+  sched2 = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05))
+  _, m = sched2.run(sched2.init(params, states), stacked(data))
+  valid = np.asarray(m["valid"])
+  assert valid.tolist() == [l is not None for l in losses] == [t >= K - 1 for t in range(9)]
+  np.testing.assert_allclose(np.asarray(m["loss"])[valid], [l for l in losses if l is not None],
+                             atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(m["batch"])[valid], np.arange(9 - (K - 1)))
+
+
+def test_run_compiles_once_per_buffer_length():
+  K = 3
+  stages, params, states = model("bn", K)
+  data = batches(20)
+  sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05))
+  state = sched.init(params, states)
+  xs, ys = stacked(data)
+  start = 0
+  for n in (8, 3, 8, 1):  # through the fill and past it, several lengths, one buffer length
+    chunk = tuple(np.concatenate([a[start:start + n], np.zeros_like(a[:8 - n])])
+                  for a in (xs, ys))
+    state, _ = sched.run(state, chunk, num_ticks=n)
+    start += n
+  assert sched._step_fns[("fused", 8)]._cache_size() == 1
+  assert [key for key in sched._step_fns if key[0] == "fused"] == [("fused", 8)]
+
+
+def test_state_is_a_few_buffers_per_stage():
+  """The packed state: a call carries a handful of buffers, however many leaves a stage has."""
+  K = 3
+  stages, params, states = model("bn", K)
+  sched = fdg_jax.fdg(stages, loss_fn, optax.adam(1e-2))
+  state = sched.init(params, states, example_batch=batches(1)[0])
+  for k in range(K):
+    core = state["stages"][k]["core"]
+    # float32 (params, BN statistics, Adam moments), int32 (counters, Adam count, batch
+    # indices) and uint32 (the stage key).
+    assert sorted(core) == ["float32", "int32", "uint32"]
+    unpacked = sched.stage_state(state, k)
+    assert len(jax.tree.leaves(unpacked)) > 3 * len(core)
+    assert_trees_close(unpacked["params"], params[k], atol=0)
+
+
+def test_bad_engine_arguments():
+  stages, _, _ = model("bn", 2)
+  with pytest.raises(ValueError, match="engine"):
+    fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="spmd")
+  with pytest.raises(ValueError, match="one device"):
+    fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2], engine="fused")
+  sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1))
+  state = sched.init(*make_model("bn", 2)[1:])
+  with pytest.raises(ValueError, match="num_ticks"):
+    sched.run(state, stacked(batches(2)), num_ticks=3)
+
+
+def test_convolutions_are_detected_for_the_default_loop():
+  from fdg_jax import models, partition
+  x = jnp.zeros((1, 8, 8, 1))
+  for name, has_conv in (("cnn", True), ("mlp", False)):
+    m = models.create(name, num_classes=10, input_shape=(8, 8, 1))
+    stages = partition.split(m, 2, "uniform", example_input=x)
+    params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x)
+    sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1))
+    sched.init(params, states, example_batch=(jnp.zeros((4, 8, 8, 1)), jnp.zeros(4, jnp.int32)))
+    # XLA:CPU runs backward convolutions slowly inside a loop: one program per tick there.
+    assert sched.scan == (not has_conv), name
