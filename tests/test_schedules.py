@@ -94,12 +94,23 @@ def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backwar
   return theta, ms, trace
 
 
-def run_schedule(schedule, params, states, data):
+def run_schedule(schedule, params, states, data, chunks=None):
+  """Ticks over `data` by `step`, or by `run` over consecutive chunks of the given lengths."""
   state = schedule.init(params, states)
   trace = []
-  for b in data:
-    state, m = schedule.step(state, b)
-    trace.append([None if u is None else int(u) for u in m["updated"]])
+  if chunks is None:
+    for b in data:
+      state, m = schedule.step(state, b)
+      trace.append([None if u is None else int(u) for u in m["updated"]])
+  else:
+    xs = np.stack([np.asarray(x) for x, _ in data])
+    ys = np.stack([np.asarray(y) for _, y in data])
+    start = 0
+    for n in chunks:
+      state, m = schedule.run(state, (xs[start:start + n], ys[start:start + n]))
+      trace += [[None if u < 0 else int(u) for u in row] for row in np.asarray(m["updated"])]
+      start += n
+    assert start == len(data)
   return schedule.params(state), schedule.model_states(state), trace, state
 
 
@@ -157,7 +168,9 @@ def _reference_cases():
 
   Every (K, algorithm, beta, backward) runs twice: SGD+momentum with one model and Adam with
   the other, the pairing alternating so each optimizer meets each model. FDG_FULL_GRID=1
-  runs the full product (72 cases) instead of this covering set (36).
+  runs the full product (72 cases) instead of this covering set (36). Each case runs on
+  one device (the fused engine) through `step`, or through `run` in chunks of 5 and 8
+  ticks, alternating (FDG_FULL_GRID: both).
   """
   full = os.environ.get("FDG_FULL_GRID") == "1"
   cases, i = [], 0
@@ -165,18 +178,20 @@ def _reference_cases():
     for algorithm, beta in (("ddg", 1.0), ("fdg", 1.0), ("fdg", 0.5)):
       for backward in ("stash", "recompute"):
         if full:
-          cases += [(K, algorithm, beta, o, backward, m)
-                    for o in ("sgd_momentum", "adam") for m in ("mlp", "bn")]
+          cases += [(K, algorithm, beta, o, backward, m, path)
+                    for o in ("sgd_momentum", "adam") for m in ("mlp", "bn")
+                    for path in ("step", "run")]
         else:
           models = ("mlp", "bn") if i % 2 == 0 else ("bn", "mlp")
-          cases += [(K, algorithm, beta, "sgd_momentum", backward, models[0]),
-                    (K, algorithm, beta, "adam", backward, models[1])]
+          paths = ("step", "run") if i % 2 == 0 else ("run", "step")
+          cases += [(K, algorithm, beta, "sgd_momentum", backward, models[0], paths[0]),
+                    (K, algorithm, beta, "adam", backward, models[1], paths[1])]
         i += 1
   return cases
 
 
-@pytest.mark.parametrize("K,algorithm,beta,optimizer,backward,model", _reference_cases())
-def test_matches_reference_simulator(K, algorithm, beta, optimizer, backward, model):
+@pytest.mark.parametrize("K,algorithm,beta,optimizer,backward,model,path", _reference_cases())
+def test_matches_reference_simulator(K, algorithm, beta, optimizer, backward, model, path):
   applies, params, states = make_model(model, K)
   data = batches(13)
   ref_params, ref_states, ref_trace = simulate(
@@ -185,7 +200,8 @@ def test_matches_reference_simulator(K, algorithm, beta, optimizer, backward, mo
   kwargs = {"beta": beta} if algorithm == "fdg" else {}
   sched = fdg_jax.create(algorithm, stages_of(applies), loss_fn, OPTIMIZERS[optimizer](),
                          backward=backward, **kwargs)
-  got_params, got_states, trace, _ = run_schedule(sched, params, states, data)
+  got_params, got_states, trace, _ = run_schedule(sched, params, states, data,
+                                                  chunks=(5, 8) if path == "run" else None)
   assert trace == ref_trace
   assert_trees_close(got_params, ref_params, atol=1e-5)
   assert_trees_close(got_states, ref_states, atol=1e-5)

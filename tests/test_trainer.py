@@ -108,6 +108,24 @@ def test_resume_is_bitwise_exact(stop_at, tmp_path):
   assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
 
 
+def test_engines_and_ticks_per_call_train_alike(tmp_path):
+  """One tick per call on a device per stage, or many per call in one fused program: same run."""
+  runs = {}
+  for engine, ticks in (("per_stage", 1), ("fused", 8), ("fused", 1)):
+    c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=1, engine=engine,
+                    ticks_per_call=ticks, beta=0.5)
+    c.model_kwargs.widths = (16, 16, 16)
+    out = str(tmp_path / f"{engine}_{ticks}")
+    runs[engine, ticks] = (trainer.train_and_evaluate(c, out), read_metrics(out))
+  (ref, ref_records) = runs["per_stage", 1]
+  for key, (result, records) in runs.items():
+    for a, b in zip(jax.tree.leaves(result["params"]), jax.tree.leaves(ref["params"])):
+      np.testing.assert_allclose(a, b, atol=1e-5, err_msg=str(key))
+    assert [r["step"] for r in records] == [r["step"] for r in ref_records]
+    np.testing.assert_allclose([r["train_loss"] for r in records],
+                               [r["train_loss"] for r in ref_records], rtol=1e-5)
+
+
 @pytest.mark.parametrize("name,arg", [
     ("default.py", None),
     ("cifar10.py", None),
@@ -149,6 +167,8 @@ def test_paper_betas_are_used_by_default():
     ("log_every_steps", 0, "log_every_steps"),
     ("max_steps", 0, "max_steps"),
     ("lr_gamma", 0.0, "lr_gamma"),
+    ("engine", "spmd", "engine"),
+    ("ticks_per_call", 0, "ticks_per_call"),
 ])
 def test_bad_config_is_one_clear_error(field, value, needle):
   c = tiny_config(**{field: value})
