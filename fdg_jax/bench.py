@@ -163,17 +163,24 @@ def prepare(schedule, params, states, batch, warmup: int | None = None,
   warmup = 2 * (K - 1) + 2 if warmup is None else warmup
   state = schedule.init(params, states, example_batch=batch)
   entry = {"schedule": schedule, "batch": batch, "run_ticks": run_ticks}
+  t0 = time.perf_counter()
   if run_ticks:
     stack = lambda a: jax.numpy.stack([a] * run_ticks)
     entry["stacked"] = jax.tree.map(stack, batch)
+    block(entry["stacked"])
+    t0 = time.perf_counter()
     state, m = schedule.run(state, entry["stacked"])
+    block((state["stages"], m))
+    t1 = time.perf_counter()
     state, m = schedule.run(state, entry["stacked"])
   else:
     m = {}
     for _ in range(warmup):
       state, m = schedule.step(state, batch)
+    t1 = time.perf_counter()
   block((state["stages"], state["inbox"], m))
-  entry.update(state=state, metrics=m)
+  # The first call (run) or the warm-up ticks (step): compilation, plus that much compute.
+  entry.update(state=state, metrics=m, warmup_s=t1 - t0)
   return entry
 
 
@@ -248,7 +255,7 @@ def bench_throughput(args, model) -> list[dict]:
           "batch_size": args.batch_size, "ticks": args.ticks, "repeats": args.repeats})
   times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   for row, t in zip(rows, times):
-    row.update(step_time_s=spread(t["step"]),
+    row.update(step_time_s=spread(t["step"]), host_time_s=spread(t["host"]),
                samples_per_s=spread([args.batch_size / x for x in t["step"]]),
                loss_finite=t["loss_finite"])
     _progress(f"throughput {row['algorithm']} K={row['num_stages']} ({row['placement']}): "
@@ -339,11 +346,16 @@ def bench_dispatch(args) -> list[dict]:
   per-stage engine: a jitted call per stage, 2K-1 per tick for BP and DDG, K for FDG, plus
   the moves of the messages) and on one device (the fused engine: one program per call).
   """
-  name, kwargs, shape, batch_size = TINY
+  if args.dispatch_model == "tiny":
+    name, kwargs, shape, batch_size = TINY
+    split = "uniform"
+  else:
+    name, kwargs, shape, batch_size = args.dispatch_model, {}, None, args.dispatch_batch
+    split = args.split
   model = build_model(name, kwargs, shape)
   rows, entries = [], []
   for K in args.stages:
-    _, stages, params, states = build_stages(model, K, "uniform", batch_size)
+    _, stages, params, states = build_stages(model, K, split, batch_size)
     devices, where = placement_for(K)
     places = [(devices, where, "per_stage")] if devices else []
     places.append((None, "1 device", "fused"))
@@ -354,7 +366,11 @@ def bench_dispatch(args) -> list[dict]:
           schedule = make_schedule(algorithm, stages, devices=devs, engine=engine)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))
           rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
-                       "engine": engine, "path": path, "ticks": args.dispatch_ticks})
+                       "engine": engine, "path": path, "ticks": args.dispatch_ticks,
+                       "model": model.name, "batch_size": batch_size,
+                       "warmup_s": entries[-1]["warmup_s"],
+                       "leaves_per_stage": [len(jax_leaves(s)) for s in
+                                            entries[-1]["state"]["stages"]]})
   times = time_interleaved(entries, ticks=args.dispatch_ticks, repeats=args.repeats)
   for row, t in zip(rows, times):
     K = row["num_stages"]
@@ -369,17 +385,27 @@ def bench_dispatch(args) -> list[dict]:
 
 def dispatch_table(rows) -> str:
   lines = ["| algorithm | K | path | placement (engine) | host µs per tick | host µs per stage "
-           "per tick, median [min, max] | blocked µs per tick |", "|---|---|---|---|---|---|---|"]
+           "per tick, median [min, max] | blocked µs per tick | first call / warm-up s |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     h, p = r["host_time_per_tick_s"], r["host_time_per_stage_tick_s"]
     lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r.get('path', 'step')} | "
                  f"{r['placement']} ({r.get('engine', 'per_stage')}) | "
                  f"{1e6 * h['median']:.0f} | {1e6 * p['median']:.0f} [{1e6 * p['min']:.0f}, "
-                 f"{1e6 * p['max']:.0f}] | {1e6 * r['step_time_s']['median']:.0f} |")
+                 f"{1e6 * p['max']:.0f}] | {1e6 * r['step_time_s']['median']:.0f} | "
+                 f"{r.get('warmup_s', float('nan')):.1f} |")
+  if rows and "model" in rows[0]:
+    r = rows[0]
+    lines += ["", f"model {r['model']}, batch {r['batch_size']}; packed state buffers per stage "
+              f"(K={r['num_stages']}): {r['leaves_per_stage']}"]
   return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ memory
+def jax_leaves(tree) -> list:
+  return _jax().tree.leaves(tree)
+
+
 def tree_bytes(tree) -> int:
   return int(sum(a.size * a.dtype.itemsize for a in _jax().tree.leaves(tree)))
 
@@ -544,7 +570,7 @@ def transfer_time(nbytes: int, *, calls: int, repeats: int, link_gbps: float,
 
 
 def predict(times: Sequence[dict], transfers: Sequence[float],
-            microbatches: Sequence[int] = (4, 16)) -> dict:
+            microbatches: Sequence[int] = (4, 16), host_s: dict | None = None) -> dict:
   """Critical-path tick times (seconds) of K stages on K devices, and speed-ups over BP.
 
   Args:
@@ -585,6 +611,12 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
     Both are at most max_k w_k + 2 max_k c_k: with asynchronous ticks DDG's forward chain
     bounds the latency of one batch, not the rate of the pipeline.
 
+  host time: with `host_s` = {"fdg": h, "ddg": h'} (seconds for `step` to return, measured
+  for the per-stage engine on K devices), the asynchronous ticks cannot be shorter than the
+  host's dispatch of one tick: fdg_async/ddg_async become max(T, h) and are flagged
+  `host_bound` where h > T (the devices then wait for the host; `run` with the fused engine,
+  or fewer leaves per call, is the remedy).
+
   gpipe_M: synchronous pipeline, M micro-batches of B/M with per-micro-batch times f_k/M,
           b_k/M, c_k/M (linear scaling: optimistic for small micro-batches); forward then
           backward each take (M + K - 1) slots of the slowest stage,
@@ -611,6 +643,10 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
   for name, t in (("fdg", t_fdg), ("ddg", t_ddg), ("fdg_async", t_fdg_async),
                   ("ddg_async", t_ddg_async)):
     out[name] = {"tick_s": t, "speedup": t_bp / t}
+    h = (host_s or {}).get(name.replace("_async", "")) if name.endswith("_async") else None
+    if h is not None:
+      out[name].update(tick_s=max(t, h), speedup=t_bp / max(t, h), compute_tick_s=t,
+                       host_s=h, host_bound=h > t)
   for M in microbatches:
     t = (M + K - 1) / M * (max(f) + max(b) + 2 * cmax)
     out[f"gpipe_{M}"] = {"tick_s": t, "speedup": t_bp / t, "bubble": (K - 1) / (M + K - 1)}
@@ -638,7 +674,10 @@ def bench_speedup(args, model, throughput_rows=None) -> dict:
       c, how = transfer_time(t["out_bytes"], calls=args.ticks, repeats=args.repeats,
                              link_gbps=args.link_gbps, link_latency_us=args.link_latency_us)
       transfers.append(c)
-    pred = predict(times, transfers, args.microbatches)
+    # The host's time to dispatch one tick on K devices, where the throughput run measured it.
+    host = {a: tp[(a, K)]["host_time_s"]["median"] for a in ("fdg", "ddg")
+            if (a, K) in tp and tp[(a, K)]["placement"] != "1 device"}
+    pred = predict(times, transfers, args.microbatches, host_s=host or None)
     distinct = len(jax.devices()) >= K
     meaningful = info["platform"] != "cpu" and distinct
     measured = {}
@@ -677,9 +716,10 @@ def speedup_table(result) -> str:
     gp = " | ".join(f"{p[f'gpipe_{M}']['speedup']:.2f} ({p[f'gpipe_{M}']['bubble']:.2f})"
                     for M in Ms)
     fm = lambda a: f"{m[a]:.2f}" if a in m else "–"
+    hb = lambda a: " (host-bound)" if p[a].get("host_bound") else ""
     lines.append(f"| {r['num_stages']} | {st} | {tr} | {p['fdg']['speedup']:.2f} | "
-                 f"{p['ddg']['speedup']:.2f} | {p['fdg_async']['speedup']:.2f} | "
-                 f"{p['ddg_async']['speedup']:.2f} | {gp} | "
+                 f"{p['ddg']['speedup']:.2f} | {p['fdg_async']['speedup']:.2f}"
+                 f"{hb('fdg_async')} | {p['ddg_async']['speedup']:.2f}{hb('ddg_async')} | {gp} | "
                  f"{fm('fdg')} | {fm('ddg')} | {'yes' if r['measured_meaningful'] else 'no'} |")
   return "\n".join(lines)
 
@@ -710,6 +750,10 @@ def parse_args(argv=None):
   parser.add_argument("--ticks", type=int, default=20, help="timed ticks per repetition")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--dispatch_ticks", type=int, default=200)
+  parser.add_argument("--dispatch_model", default="tiny",
+                      help="dispatch benchmark model: tiny (an MLP of width 16) or a model name")
+  parser.add_argument("--dispatch_batch", type=int, default=2,
+                      help="batch of a named --dispatch_model")
   parser.add_argument("--paths", nargs="+", default=["run", "step"], choices=("run", "step"),
                       help="how overhead and dispatch call the schedule")
   parser.add_argument("--run_ticks", type=int, default=32, help="T of each run call")

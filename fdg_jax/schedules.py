@@ -33,9 +33,10 @@ lie in the pipeline fill they are traced and mask the state updates (a masked st
 and messages stay as they were, bit for bit), so one program serves every tick and steady
 ticks never retrace.
 
-Each stage's state is kept packed into a few flat buffers (`fdg_jax.packing`), so that a
-jitted call carries a handful of leaves whatever the model: a call's host cost grows with its
-leaves. `params`, `model_states` and `stage_state` unpack it. Messages sent at tick t are read
+Each stage's parameters, optimizer state, model state and counters are kept packed into a
+few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with its leaves.
+`params`, `model_states` and `stage_state` unpack them. The stash stays one ring per leaf
+(see `_ring_read`). Messages sent at tick t are read
 at tick t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
 `inbox`, preallocated with zeros so the state has one fixed structure from the first tick on
 (and can be checkpointed at any tick).
@@ -144,7 +145,7 @@ class Schedule:
     self.engine = ("fused" if one_device else "per_stage") if engine == "auto" else engine
     self._scan = scan
     self._core_layouts: list = [None] * self.num_stages
-    self._stash_layouts: list = [None] * self.num_stages
+    self._stash_axes: list = [None] * self.num_stages
     self._stash_treedefs: list = [None] * self.num_stages
     self._batch_spec = None
     self._has_conv = None
@@ -288,21 +289,19 @@ class Schedule:
       act_out = (h, y, batch)
     return s, act_out, cot_out, updated
 
+  # The stash is not packed, unlike the rest of a stage's state: one [D, ...] ring per leaf
+  # of the entry. XLA updates a ring in place only when it can order every read of it
+  # before the write; where it cannot (the read feeds a transposed operand of a backward
+  # convolution, say) it copies the ring, and a packed ring would be copied whole (measured:
+  # FDG K=4 on ResNet-20 then took twice BP's time on one device, against 1.1x).
   def _ring_read(self, k, ring, slot):
-    """Stash entry `slot` of stage k's ring: packed (a dict of [D, ...] group buffers, as
-    carried between calls) or per leaf (inside a fused loop, see `_fused_fn`)."""
-    if isinstance(ring, dict):
-      return self._stash_layouts[k].unpack({name: buf[slot] for name, buf in ring.items()})
-    return jax.tree.map(lambda buf: buf[slot], ring)
+    """Stash entry `slot` of stage k's ring (a tuple of [D, ...] buffers, one per leaf)."""
+    return tuple(buf[slot] for buf in ring)
 
   def _ring_write(self, k, ring, slot, entry, flag):
-    """`ring` with `entry` written to `slot` where `flag` (see `_ring_read`)."""
-    if isinstance(ring, dict):
-      packed = self._stash_layouts[k].pack(entry)
-      return {name: buf.at[slot].set(_select(flag, packed[name], buf[slot]))
-              for name, buf in ring.items()}
-    return jax.tree.map(lambda buf, e: buf.at[slot].set(_select(flag, e, buf[slot])),
-                        ring, entry)
+    """`ring` with `entry` written to `slot` where `flag`."""
+    return tuple(buf.at[slot].set(_select(flag, e, buf[slot]))
+                 for buf, e in zip(ring, jax.tree.leaves(entry)))
 
   def _last_work(self, s, act, active):
     """The last stage at one tick: forward, loss, gradient, update.
@@ -507,19 +506,10 @@ class Schedule:
     def tick(stages, inbox, batch, t):
       return self._tick(stages, inbox, batch, t, ops)
 
-    # Inside the program the rings are held per leaf ([D, ...] each), so a tick writes a
-    # stash entry in place, leaf by leaf, rather than concatenating it into the packed
-    # buffer; they are packed again once per call.
     def unpack_all(packed):
-      stages = [self._unpack_stage(k, p) for k, p in enumerate(packed)]
-      for k, s in enumerate(stages[:-1]):
-        s["stash"] = jax.vmap(self._stash_layouts[k].unpack)(s["stash"])
-      return stages
+      return [self._unpack_stage(k, p) for k, p in enumerate(packed)]
 
     def pack_all(stages):
-      stages = [dict(s) for s in stages]
-      for k, s in enumerate(stages[:-1]):
-        s["stash"] = jax.vmap(self._stash_layouts[k].pack)(s["stash"])
       return [self._pack_stage(k, s) for k, s in enumerate(stages)]
 
     if num_ticks is None:
@@ -644,22 +634,19 @@ class Schedule:
           axis = None  # cannot be split evenly over the replicas: keep it replicated
         return axis
 
-      axes = [batch_axis(e, e2) for e, e2 in zip(jax.tree.leaves(entry),
-                                                 jax.tree.leaves(entry2))]
-      if P.num_replicas == 1:
-        axes = None  # nothing to shard: one flat buffer per dtype
-      self._stash_layouts[k] = Layout.of(entry, axes)
+      self._stash_axes[k] = [batch_axis(e, e2) for e, e2 in zip(jax.tree.leaves(entry),
+                                                                jax.tree.leaves(entry2))]
       self._entry_specs[k] = entry
       self._act_specs[k] = (h_spec, y_spec, jax.ShapeDtypeStruct((), jnp.int32))
       self._act_shardings[k] = P.message_shardings(k, self._act_specs[k])
       a_spec, a_spec2 = h_spec, h_spec2
     self._has_conv = has_conv
 
-  def _stash_shardings(self, k: int) -> dict:
-    """Shardings of stage k's ring buffers: [D, B, N] batch groups split along B."""
-    P, lay = self.placement, self._stash_layouts[k]
-    return {name: P.buffer_sharding(k, 1) if lay.is_batch(name) else P.state_shardings[k]
-            for name in lay.names}
+  def _stash_shardings(self, k: int) -> tuple:
+    """Shardings of stage k's rings: activations split along their batch axis."""
+    P = self.placement
+    return tuple(P.buffer_sharding(k, None if ax is None else ax + 1)  # +1: the ring axis
+                 for ax in self._stash_axes[k])
 
   def _state_shardings(self, k: int) -> dict:
     """The sharding of every buffer of stage k's packed state."""
@@ -676,8 +663,8 @@ class Schedule:
     stages, inbox = list(state["stages"]), [dict() for _ in range(K)]
     for k in range(K - 1):
       D = ring_size(self.algorithm, k, K)
-      specs = jax.tree.map(lambda e: jax.ShapeDtypeStruct((D,) + e.shape, e.dtype),
-                           self._stash_layouts[k].buffer_specs())
+      specs = tuple(jax.ShapeDtypeStruct((D,) + e.shape, e.dtype)
+                    for e in jax.tree.leaves(self._entry_specs[k]))
       stages[k] = {**stages[k], "stash": _zeros(specs, self._stash_shardings(k))}
       # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
       # where (and shaped as) the real messages will arrive.

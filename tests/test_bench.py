@@ -43,6 +43,12 @@ def test_predict_matches_hand_computation():
   assert slow["fdg"]["tick_s"] == 4.0 and slow["fdg_async"]["tick_s"] == 4.0  # (1+1+6)/2
   assert slow["ddg"]["tick_s"] == 11.0                  # 0.5+3+0.5+3, then 1+3
   assert slow["ddg_async"]["tick_s"] == 5.0             # the whole chain: (3+12)/3
+  # A host that needs 6 s to dispatch an FDG tick (and 4 s a DDG one) bounds the tick.
+  hosted = bench.predict(times, [0.5, 0.25], microbatches=[4], host_s={"fdg": 6.0, "ddg": 4.0})
+  assert hosted["fdg_async"]["tick_s"] == 6.0 and hosted["fdg_async"]["host_bound"]
+  assert hosted["fdg_async"]["compute_tick_s"] == 5.0
+  assert hosted["ddg_async"]["tick_s"] == 5.0 and not hosted["ddg_async"]["host_bound"]
+  assert hosted["fdg"]["tick_s"] == 5.5  # the synchronous models ignore the host
   # One stage: every model is BP.
   one = bench.predict([{"forward_s": 1.0, "backward_s": 2.0, "tick_s": 3.0}], [], [4])
   assert {k: v["speedup"] for k, v in one.items()} == {
