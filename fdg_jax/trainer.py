@@ -12,9 +12,11 @@ whose message is one line; `train.py` prints it and exits non-zero without a tra
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -32,10 +34,15 @@ from fdg_jax.optim import learning_rate_schedule, make_optimizer
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
+CONFIG_CHANGES_FILE = "config_changes.jsonl"  # fields changed on resume, old -> new
 
 
 class DivergedError(UserError):
   """The loss became NaN or infinite."""
+
+
+class CheckpointError(UserError):
+  """No checkpoint of the workdir can be restored."""
 
 
 class Interrupted(UserError):
@@ -145,6 +152,52 @@ class Checkpointer:
         progress=ocp.args.JsonSave(progress)), force=True)
     self.manager.wait_until_finished()
 
+  def restore_latest(self, target_state):
+    """Restores the newest checkpoint that restores; None when there is none at all.
+
+    A checkpoint that fails to restore (truncated or corrupt files) is reported in one line
+    and skipped for the one before it; once one restores, the skipped ones are moved aside
+    to `<workdir>/corrupt_checkpoints/` (the run will write those steps again). If none
+    restores, CheckpointError, and nothing is moved or deleted.
+
+    Returns:
+      (step, state, data position, progress) or None.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    skipped = []
+    for step in steps:
+      try:
+        with _quiet_unraisable():
+          restored = self.restore(step, target_state)
+      except Exception as e:  # noqa: BLE001  any failure to read means: try an older one
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        _log(f"checkpoint step {step} in {self.directory} does not restore "
+             f"({type(e).__name__}: {first}); trying the one before it")
+        skipped.append(step)
+        continue
+      self._set_aside(skipped)
+      return (step, *restored)
+    if steps:
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} restores (steps {steps}); nothing was deleted: "
+          "move that folder away to start over, or restore it from a backup")
+    return None
+
+  def _set_aside(self, steps) -> None:
+    """Moves the checkpoints of `steps` out of the manager's folder (kept, not deleted)."""
+    if not steps:
+      return
+    aside = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
+    if jax.process_index() == 0:
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        src = os.path.join(self.directory, str(step))
+        dst = os.path.join(aside, f"{step}_{int(time.time())}")
+        if os.path.exists(src):
+          os.replace(src, dst)
+          _log(f"moved the unreadable checkpoint of step {step} to {dst}")
+    self.manager.reload()
+
   def restore(self, step: int, target_state):
     ocp = self._ocp
     restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -213,6 +266,22 @@ def _nonfinite_part(schedule, state) -> str | None:
   if not _all_finite(state["inbox"]):
     return "a message between stages"
   return None
+
+
+@contextlib.contextmanager
+def _quiet_unraisable():
+  """Drops the "Exception ignored in <coroutine>" reports of a failed orbax read.
+
+  A restore that fails leaves orbax's pending read coroutines to be garbage-collected, and
+  Python prints each one's traceback: collect them here, with those reports off.
+  """
+  previous = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
@@ -319,16 +388,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         example_batch=example)
 
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR))
-  start = ckpt.latest_step()
+  start = None
   progress = {"wall_time": 0.0, "train_loss_sum": 0.0, "train_acc_sum": 0.0, "train_count": 0}
-  if start is not None:
+  if ckpt.latest_step() is not None:
     # Restore into shapes and shardings only, freeing the freshly built state first, so
     # that a resume does not hold two copies of the parameters and stashes.
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         if isinstance(a, jax.Array) else a, state)
     del state
-    state, data_state, progress = ckpt.restore(start, target)
+    start, state, data_state, progress = ckpt.restore_latest(target)
     state["tick"] = np.asarray(state["tick"], np.int64)
     train_it.set_state(data_state)
     _log(f"resumed from step {start} in {workdir}")
@@ -533,7 +602,15 @@ def _check_or_write_config(config, workdir: str) -> None:
         raise ConfigError(
             f"{workdir} holds a run with {key}={saved[key]!r}, not {current.get(key)!r}; "
             "use a new --workdir or the original config")
-    return  # keep the config the run was started with
+    changed = {key: [saved.get(key), current.get(key)]
+               for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)}
+    if changed and jax.process_index() == 0:
+      _log(f"resuming {workdir} with a changed config: " + ", ".join(
+          f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()))
+      with open(os.path.join(workdir, CONFIG_CHANGES_FILE), "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                            "changes": changed}) + "\n")
+    return  # keep the config the run was started with (config.json)
   if jax.process_index() == 0:
     with open(path, "w") as f:
       json.dump(current, f, indent=2, sort_keys=True)

@@ -302,3 +302,63 @@ def test_two_processes_train_like_one(tmp_path):
   assert len(multi) == 1 and multi[0]["step"] == single["steps"]
   assert abs(multi[0]["test_loss"] - single["test_loss"]) < 1e-5
   assert multi[0]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
+
+
+def _truncate_largest_file(checkpoint_dir):
+  largest = max((p for p in checkpoint_dir.rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  with open(largest, "r+b") as f:
+    f.truncate(largest.stat().st_size // 2)
+
+
+def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path, capfd):
+  c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=2)
+  c.model_kwargs.widths = (16, 16, 16)
+  full = trainer.train_and_evaluate(c, str(tmp_path / "full"))
+  c.max_steps = 30  # checkpoints at steps 28 and 30 are kept
+  trainer.train_and_evaluate(c, str(tmp_path / "run"))
+  _truncate_largest_file(tmp_path / "run" / "checkpoints" / "30")
+  c.max_steps = -1
+  capfd.readouterr()
+  resumed = trainer.train_and_evaluate(c, str(tmp_path / "run"))
+  out = capfd.readouterr().out
+  skipped = [l for l in out.splitlines() if "does not restore" in l]
+  assert len(skipped) == 1 and "checkpoint step 30" in skipped[0]
+  assert "resumed from step 28" in out
+  assert _params_equal(resumed["params"], full["params"])
+  a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "run")
+  b = [r for r in b if r["step"] != 30]
+  assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+  assert len(list((tmp_path / "run" / "corrupt_checkpoints").iterdir())) == 1
+
+
+def test_no_checkpoint_restores_one_line_exit_1_nothing_deleted(tmp_path):
+  workdir = tmp_path / "run"
+  p = _train_cli(workdir, "--config.max_steps=10", "--config.checkpoint_every_steps=5")
+  assert p.wait(timeout=300) == 0
+  steps = sorted(d.name for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
+  assert steps == ["10", "5"]
+  for step in steps:
+    _truncate_largest_file(workdir / "checkpoints" / step)
+  before = sorted((str(f), f.stat().st_size) for f in workdir.rglob("*") if f.is_file())
+  p = _train_cli(workdir, "--config.max_steps=20", "--config.checkpoint_every_steps=5")
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 1
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and "no checkpoint" in lines[0] and "Traceback" not in err
+  after = {(str(f), f.stat().st_size) for f in workdir.rglob("*") if f.is_file()}
+  assert {b for b in before if "tensorboard" not in b[0]} <= after  # nothing lost
+
+
+def test_resume_with_changed_fields_says_so_and_records_it(tmp_path, capfd):
+  c = tiny_config(num_epochs=1, max_steps=5)
+  trainer.train_and_evaluate(c, str(tmp_path))
+  c.max_steps, c.learning_rate = 10, 0.05
+  capfd.readouterr()
+  trainer.train_and_evaluate(c, str(tmp_path))
+  lines = [l for l in capfd.readouterr().out.splitlines() if "changed config" in l]
+  assert len(lines) == 1
+  assert "learning_rate 0.1 -> 0.05" in lines[0] and "max_steps 5 -> 10" in lines[0]
+  records = [json.loads(l) for l in open(tmp_path / trainer.CONFIG_CHANGES_FILE)]
+  assert records[-1]["changes"] == {"learning_rate": [0.1, 0.05], "max_steps": [5, 10]}
+  assert json.load(open(tmp_path / "config.json"))["learning_rate"] == 0.1  # as started
