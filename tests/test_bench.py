@@ -206,3 +206,18 @@ def test_parity_smoke(tmp_path):
   assert all(run["curve"] and run["curve"][-1]["epoch"] == 1 for run in r["runs"]
              if not run["diverged"])
   assert png.exists() and 0 < png.stat().st_size < 300_000
+
+
+def test_one_cli_runs_every_benchmark(capsys):
+  """`python -m fdg_jax.bench` also runs the concurrency and input-pipeline benchmarks."""
+  from fdg_jax.bench.__main__ import main
+  assert main(["concurrency", "--models", "tiny", "--stages", "2", "--ticks", "2",
+               "--repeats", "1", "--batch-size", "8"]) == 0
+  out = capsys.readouterr().out
+  row = [l for l in out.splitlines() if l.startswith("tiny")]
+  assert len(row) == 1 and all(_positive(float(v)) for v in row[0].split()[2:])
+  assert main(["data", "--num_examples", "256", "--batch_size", "32", "--num_batches", "3",
+               "--prefetch", "0", "--repeats", "1", "--imagenet", "0"]) == 0
+  rates = [float(l.split("median")[1].split()[0].replace(",", ""))
+           for l in capsys.readouterr().out.splitlines() if "images/s" in l]
+  assert len(rates) == 2 and all(r > 0 for r in rates)

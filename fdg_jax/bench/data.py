@@ -9,7 +9,7 @@ generated per read by Python code whose speed says nothing about the loader.
 ImageNet (``--imagenet N``): N synthetic variable-size uint8 images (short side 200-500)
 through the per-image random-resized-crop (train) and resize/center-crop (eval) path.
 
-    python benchmarks/bench_data.py [--batch_size 128 256] [--prefetch 0 2] [--repeats 3]
+    python -m fdg_jax.bench data [--batch_size 128 256] [--prefetch 0 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def report(label: str, runs: list[float]) -> None:
         f"(min {min(runs):,.0f}, max {max(runs):,.0f}, {len(runs)} runs)", flush=True)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m fdg_jax.bench data",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--num_examples", type=int, default=50_000)
   parser.add_argument("--batch_size", type=int, nargs="+", default=[128, 256])
   parser.add_argument("--num_batches", type=int, default=300)
@@ -64,7 +65,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--imagenet", type=int, default=256,
                       help="number of synthetic ImageNet-like images (0: skip)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (args.num_examples, 32, 32, 3), dtype=np.uint8)

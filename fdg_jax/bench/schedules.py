@@ -1,5 +1,7 @@
 """Benchmarks of the BP, DDG and FDG schedules: throughput, overhead, dispatch, memory, speed-up.
 
+(`python -m fdg_jax.bench concurrency ...` and `... data ...` are the other two benchmarks.)
+
     python -m fdg_jax.bench all --out docs/bench_cpu.json        # small sizes (CPU default)
     python -m fdg_jax.bench throughput --model resnet56 --batch_size 128 --ticks 50   # GPUs
     python -m fdg_jax.bench memory --presets resnet20 mlp_digits
@@ -211,7 +213,7 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
   the calls to return, before blocking) lists, and whether the last loss is finite. An
   entry timed through `run` takes ticks // T calls of T ticks (at least one).
   """
-  out = [{"step": [], "host": []} for _ in entries]
+  out = [{"step": [], "host": [], "host_idle": []} for _ in entries]
   for _ in range(repeats):
     for e, o in zip(entries, out):
       n = max(ticks // e["run_ticks"], 1) * e["run_ticks"] if e["run_ticks"] else ticks
@@ -223,6 +225,14 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
       e["state"], e["metrics"] = state, m
       o["host"].append((t1 - t0) / n)
       o["step"].append((t2 - t0) / n)
+      # One call with the devices idle: the host's own cost, not slowed by device work
+      # competing for the same cores (XLA:CPU) or by a full dispatch queue.
+      t0 = time.perf_counter()
+      state, m = _advance(e, e["run_ticks"] or 1)
+      t1 = time.perf_counter()
+      block((state["stages"], state["inbox"], m))
+      e["state"], e["metrics"] = state, m
+      o["host_idle"].append((t1 - t0) / (e["run_ticks"] or 1))
   for e, o in zip(entries, out):
     o["loss_finite"] = math.isfinite(_last_loss(e["metrics"]))
   return out
@@ -376,6 +386,7 @@ def bench_dispatch(args) -> list[dict]:
     K = row["num_stages"]
     row.update(host_time_per_tick_s=spread(t["host"]),
                host_time_per_stage_tick_s=spread([h / K for h in t["host"]]),
+               idle_host_time_per_stage_tick_s=spread([h / K for h in t["host_idle"]]),
                step_time_s=spread(t["step"]))
     _progress(f"dispatch {row['path']} {row['engine']} {row['algorithm']} K={K}: "
               f"{1e6 * row['host_time_per_stage_tick_s']['median']:.0f} µs/stage-tick")
@@ -385,14 +396,16 @@ def bench_dispatch(args) -> list[dict]:
 
 def dispatch_table(rows) -> str:
   lines = ["| algorithm | K | path | placement (engine) | host µs per tick | host µs per stage "
-           "per tick, median [min, max] | blocked µs per tick | first call / warm-up s |",
-           "|---|---|---|---|---|---|---|---|"]
+           "per tick, median [min, max] | same, devices idle | blocked µs per tick | "
+           "first call / warm-up s |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     h, p = r["host_time_per_tick_s"], r["host_time_per_stage_tick_s"]
+    idle = r.get("idle_host_time_per_stage_tick_s", {"median": float("nan")})
     lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r.get('path', 'step')} | "
                  f"{r['placement']} ({r.get('engine', 'per_stage')}) | "
                  f"{1e6 * h['median']:.0f} | {1e6 * p['median']:.0f} [{1e6 * p['min']:.0f}, "
-                 f"{1e6 * p['max']:.0f}] | {1e6 * r['step_time_s']['median']:.0f} | "
+                 f"{1e6 * p['max']:.0f}] | {1e6 * idle['median']:.0f} | "
+                 f"{1e6 * r['step_time_s']['median']:.0f} | "
                  f"{r.get('warmup_s', float('nan')):.1f} |")
   if rows and "model" in rows[0]:
     r = rows[0]
@@ -803,7 +816,7 @@ def run(args) -> dict:
     tables.append(("Per-sample overhead on one device", overhead_table(result["overhead"])))
   if cmd in ("dispatch", "all"):
     result["dispatch"] = bench_dispatch(args)
-    tables.append(("Dispatch overhead (tiny model)", dispatch_table(result["dispatch"])))
+    tables.append(("Dispatch overhead", dispatch_table(result["dispatch"])))
   if cmd in ("memory", "all"):
     result["memory"] = bench_memory(args)
     tables.append(("Delay-buffer memory", memory_table(result["memory"])))

@@ -19,7 +19,7 @@ Stages get devices 0..K-1 of the default backend, round robin when there are few
 the script asks for `--cpu-devices` host devices; they share the machine's cores, so overlap is
 bounded by the cores XLA can use, not by K.
 
-    python benchmarks/bench_runtime.py --models tiny resnet20 --stages 1 2 4 --batch-size 32
+    python -m fdg_jax.bench concurrency --models tiny resnet20 --stages 1 2 4 --batch-size 32
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import time
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="python -m fdg_jax.bench concurrency",
+                              description=__doc__.split("\n\n")[0])
   p.add_argument("--models", nargs="+", default=["tiny", "resnet20"],
                  help="'tiny' (an MLP of three 64-wide layers on 32 features) or a registry name")
   p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 4])
@@ -66,7 +67,7 @@ def build(name: str, num_stages: int, batch_size: int, algorithm: str, devices):
   kwargs = {"beta": 1.0} if algorithm == "fdg" else {}
   sched = fdg_jax.create(algorithm, stages, loss, optax.sgd(0.01, momentum=0.9),
                          devices=[devices[k % len(devices)] for k in range(num_stages)],
-                         **kwargs)
+                         engine="per_stage", **kwargs)
   state = sched.init(params, states)
   batch = sched.placement.put_batch(0, (x, y))
   return sched, state, batch
@@ -152,3 +153,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
   main()
+

@@ -1,0 +1,14 @@
+"""Every benchmark of fdg_jax, behind one CLI: `python -m fdg_jax.bench COMMAND ...`.
+
+  throughput, overhead, dispatch, memory, speedup, all   the schedules (`schedules`)
+  concurrency   host dispatch vs device time per tick, overlap of the stages (`concurrency`)
+  data          input pipeline images/s (`data`)
+
+Results: JSON next to the printed tables (--out), written up in docs/results.md.
+"""
+
+from fdg_jax.bench.schedules import (ALGORITHMS, POLICIES, PRESETS, TINY, build_model,
+                                     build_stages, parse_args, predict, run)
+
+__all__ = ["ALGORITHMS", "POLICIES", "PRESETS", "TINY", "build_model", "build_stages",
+           "parse_args", "predict", "run"]

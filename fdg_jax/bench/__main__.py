@@ -1,0 +1,21 @@
+"""`python -m fdg_jax.bench COMMAND ...` (see `fdg_jax.bench`)."""
+
+import sys
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] == "concurrency":
+    from fdg_jax.bench import concurrency
+    concurrency.main(argv[1:])
+    return 0
+  if argv and argv[0] == "data":
+    from fdg_jax.bench import data
+    data.main(argv[1:])
+    return 0
+  from fdg_jax.bench import schedules
+  return schedules.main(argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
