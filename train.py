@@ -44,6 +44,13 @@ def main(argv):
   except trainer.Interrupted as e:
     print(str(e), file=sys.stderr)
     sys.exit(128 + e.signum)
+  except trainer.CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr)
+    # The failed reads leave orbax's background tasks behind, which print tracebacks at
+    # interpreter teardown; nothing is pending (the workdir was not written): end here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
   except trainer.UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import signal
 import sys
@@ -270,18 +271,43 @@ def _nonfinite_part(schedule, state) -> str | None:
 
 @contextlib.contextmanager
 def _quiet_unraisable():
-  """Drops the "Exception ignored in <coroutine>" reports of a failed orbax read.
+  """Silences the leftovers of a failed orbax restore (its exception says what failed).
 
-  A restore that fails leaves orbax's pending read coroutines to be garbage-collected, and
-  Python prints each one's traceback: collect them here, with those reports off.
+  A restore that fails leaves orbax's pending read coroutines to be garbage-collected, now
+  or at exit, and Python prints each one's traceback. From the first restore on, the
+  process's unraisable hook drops the reports of orbax coroutines (and passes the rest on).
   """
-  previous = sys.unraisablehook
-  sys.unraisablehook = lambda unraisable: None
+  # The reads of a failed restore still in flight finish on tensorstore's threads, whose
+  # callbacks find orbax's event loop closed and print tracebacks straight to file
+  # descriptor 2: hold it on /dev/null while restoring, and give them a moment to land.
+  sys.stderr.flush()
+  saved_fd = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  failed = True
+  if not getattr(sys.unraisablehook, "_drops_orbax_reads", False):
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+      code = getattr(unraisable.object, "cr_code", None)
+      if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return
+      previous(unraisable)
+    hook._drops_orbax_reads = True
+    sys.unraisablehook = hook
+    # ... and their tasks' "exception was never retrieved", logged by asyncio.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
   try:
     yield
+    failed = False
   finally:
+    if failed:
+      time.sleep(0.5)
     gc.collect()
-    sys.unraisablehook = previous
+    sys.stderr.flush()
+    os.dup2(saved_fd, 2)
+    os.close(saved_fd)
+    os.close(devnull)
 
 
 @contextlib.contextmanager

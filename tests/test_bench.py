@@ -215,7 +215,7 @@ def test_one_cli_runs_every_benchmark(capsys):
                "--repeats", "1", "--batch-size", "8"]) == 0
   out = capsys.readouterr().out
   row = [l for l in out.splitlines() if l.startswith("tiny")]
-  assert len(row) == 1 and all(_positive(float(v)) for v in row[0].split()[2:])
+  assert len(row) == 1 and all(_positive_finite(float(v)) for v in row[0].split()[2:])
   assert main(["data", "--num_examples", "256", "--batch_size", "32", "--num_batches", "3",
                "--prefetch", "0", "--repeats", "1", "--imagenet", "0"]) == 0
   rates = [float(l.split("median")[1].split()[0].replace(",", ""))
