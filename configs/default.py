@@ -4,8 +4,8 @@
     python train.py --config configs/default.py --config.algorithm=bp --config.num_stages=1
 
 An MLP of four hidden blocks and a head (5 blocks, split uniformly into 4 stages) on
-scikit-learn's 8x8 digits. It runs in about 10 s on 2 CPU cores (3 seeds: 96.9% test accuracy,
-BP 96.9%), all four stages in one program on one CPU device (`engine`).
+scikit-learn's 8x8 digits. It runs in about 13 s on 2 CPU cores, 6 s of it training (3 seeds:
+96.9% test accuracy, BP 96.9%), all four stages in one program on one CPU device (`engine`).
 
 Why these settings: FDG's stage 0 applies gradients 6 ticks stale at K=4. With plain SGD and
 momentum 0.9 the effective step is ~10x the learning rate and the stale gradients push the
