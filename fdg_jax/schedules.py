@@ -153,6 +153,7 @@ class Schedule:
     self._step_fns: dict = {}
     self._eval_fns: dict = {}
     self._unpack_fns: dict = {}
+    self._constants: dict = {}
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
 
@@ -262,7 +263,7 @@ class Schedule:
     act_out = cot_out = updated = None
     if do_bwd is not False:
       slot = s["pops"] % D
-      entry = self._ring_read(k, s["stash"], slot)
+      entry = self._ring_read(s["stash"], slot)
       key = _stage_key(s["rng"], s["stash_batch"][slot])
       grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot, key)
       params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
@@ -281,7 +282,7 @@ class Schedule:
       h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x,
                                             _stage_key(s["rng"], batch))
       slot = s["pushes"] % D
-      s["stash"] = self._ring_write(k, s["stash"], slot, entry, do_fwd)
+      s["stash"] = self._ring_write(s["stash"], slot, entry, do_fwd)
       s["stash_batch"] = s["stash_batch"].at[slot].set(
           _select(do_fwd, batch, s["stash_batch"][slot]))
       model_state = _select(do_fwd, model_state, s["model_state"])
@@ -294,11 +295,13 @@ class Schedule:
   # before the write; where it cannot (the read feeds a transposed operand of a backward
   # convolution, say) it copies the ring, and a packed ring would be copied whole (measured:
   # FDG K=4 on ResNet-20 then took twice BP's time on one device, against 1.1x).
-  def _ring_read(self, k, ring, slot):
-    """Stash entry `slot` of stage k's ring (a tuple of [D, ...] buffers, one per leaf)."""
+  @staticmethod
+  def _ring_read(ring, slot):
+    """Stash entry `slot` of a ring (a tuple of [D, ...] buffers, one per leaf)."""
     return tuple(buf[slot] for buf in ring)
 
-  def _ring_write(self, k, ring, slot, entry, flag):
+  @staticmethod
+  def _ring_write(ring, slot, entry, flag):
     """`ring` with `entry` written to `slot` where `flag`."""
     return tuple(buf.at[slot].set(_select(flag, e, buf[slot]))
                  for buf, e in zip(ring, jax.tree.leaves(entry)))
@@ -786,11 +789,11 @@ class Schedule:
 
   def _constant(self, k: int, value, dtype):
     """A cached device scalar on stage k's devices (fills ticks with no value)."""
-    key = ("const", k, value, jnp.dtype(dtype).name)
-    if key not in self._eval_fns:
-      self._eval_fns[key] = jax.device_put(np.asarray(value, dtype),
-                                           self.placement.scalar_shardings[k])
-    return self._eval_fns[key]
+    key = (k, value, jnp.dtype(dtype).name)
+    if key not in self._constants:
+      self._constants[key] = jax.device_put(np.asarray(value, dtype),
+                                            self.placement.scalar_shardings[k])
+    return self._constants[key]
 
   # ------------------------------------------------------------------ accessors
   def stage_state(self, state, k: int) -> dict:
