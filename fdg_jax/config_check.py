@@ -25,9 +25,9 @@ def _fail(msg: str):
   raise ConfigError(msg)
 
 
-def validate(config) -> None:
-  """Raises ConfigError (one line: what is wrong, how to fix it) if `config` cannot work."""
-  from fdg_jax import data, models  # imported lazily: validation runs before heavy set-up
+def validate_fields(config) -> None:
+  """Checks every field that needs no model: ConfigError (one line) on the first problem."""
+  from fdg_jax import data  # imported lazily: validation runs before heavy set-up
 
   missing = [k for k in REQUIRED if k not in config]
   if missing:
@@ -40,29 +40,8 @@ def validate(config) -> None:
     _fail(f"beta={config.beta} must lie in (0, 1]; 1 disables gradient shrinking")
   if config.dataset not in data.list_datasets():
     _fail(f"unknown dataset {config.dataset!r}; known: {', '.join(data.list_datasets())}")
-  try:
-    model = models.create(config.model, num_classes=data.get_spec(config.dataset).num_classes,
-                          **dict(config.get("model_kwargs", {}) or {}))
-  except ValueError as e:
-    _fail(str(e).splitlines()[0])
-  K = config.num_stages
-  if not isinstance(K, int) or K < 1:
-    _fail(f"num_stages={K} must be a positive integer")
-  if K > model.num_blocks:
-    _fail(f"num_stages={K} exceeds the {model.num_blocks} blocks of {config.model}; use at "
-          f"most {model.num_blocks} stages or a deeper model")
-  from fdg_jax import partition
-  try:
-    split = partition.parse_split(config.split)
-  except ValueError as e:
-    _fail(str(e))
-  if isinstance(split, list):
-    try:
-      partition.check_boundaries(split, K, model.num_blocks)
-    except ValueError as e:
-      _fail(f"split={config.split!r}: {str(e).splitlines()[0]}")
-  elif split == "paper" and K > 1 and K not in model.paper_splits:
-    _fail(f"no paper split of {config.model} into {K} stages; use --config.split=balanced")
+  if not isinstance(config.num_stages, int) or config.num_stages < 1:
+    _fail(f"num_stages={config.num_stages} must be a positive integer")
   if config.num_replicas < 1:
     _fail(f"num_replicas={config.num_replicas} must be >= 1")
   if config.batch_size < 1 or config.batch_size % config.num_replicas:
@@ -103,3 +82,43 @@ def validate(config) -> None:
       _fail(f"lr_milestones={config.lr_milestones!r} must be a sequence of epochs")
     if milestones != sorted(milestones) or any(m <= 0 for m in milestones):
       _fail(f"lr_milestones={tuple(milestones)} must be increasing positive epochs")
+
+
+def validate(config) -> None:
+  """Raises ConfigError (one line: what is wrong, how to fix it) if `config` cannot work.
+
+  Builds the model once to check the stages against it; the trainer, which needs the model
+  anyway, calls `validate_fields` and `validate_model` itself instead.
+  """
+  validate_fields(config)
+  validate_model(config, create_model(config))
+
+
+def create_model(config):
+  """The config's model (ConfigError, one line, when its name or arguments are wrong)."""
+  from fdg_jax import data, models
+  try:
+    return models.create(config.model, num_classes=data.get_spec(config.dataset).num_classes,
+                         **dict(config.get("model_kwargs", {}) or {}))
+  except ValueError as e:
+    _fail(str(e).splitlines()[0])
+
+
+def validate_model(config, model) -> None:
+  """Checks num_stages and split against `model` (a `fdg_jax.models` model)."""
+  from fdg_jax import partition
+  K = config.num_stages
+  if K > model.num_blocks:
+    _fail(f"num_stages={K} exceeds the {model.num_blocks} blocks of {config.model}; use at "
+          f"most {model.num_blocks} stages or a deeper model")
+  try:
+    split = partition.parse_split(config.split)
+  except ValueError as e:
+    _fail(str(e))
+  if isinstance(split, list):
+    try:
+      partition.check_boundaries(split, K, model.num_blocks)
+    except ValueError as e:
+      _fail(f"split={config.split!r}: {str(e).splitlines()[0]}")
+  elif split == "paper" and K > 1 and K not in model.paper_splits:
+    _fail(f"no paper split of {config.model} into {K} stages; use --config.split=balanced")

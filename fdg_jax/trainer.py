@@ -12,6 +12,7 @@ whose message is one line; `train.py` prints it and exits non-zero without a tra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -30,7 +31,8 @@ import optax
 import fdg_jax
 from fdg_jax import data as data_lib
 from fdg_jax import models, partition, runtime
-from fdg_jax.config_check import ConfigError, UserError, validate
+from fdg_jax.config_check import (ConfigError, UserError, create_model, validate,
+                                  validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -101,19 +103,91 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
   return {"devices": None, "engine": engine}
 
 
-def build(config, train_ds):
-  """Model, stages, initial params, and the schedule, from a validated config."""
-  kwargs = dict(config.get("model_kwargs", {}) or {})
-  model = models.create(config.model, num_classes=train_ds.num_classes, **kwargs)
+@dataclasses.dataclass
+class Run:
+  """What a training run is, decided once before the first tick (see `setup`).
+
+  `stages` are the model's K stage functions at `boundaries` (block indices); `schedule`
+  runs them; `params`/`model_states` are the initial per-stage values (None once consumed);
+  `example` is one local batch of zeros (shapes for `schedule.init` and the run buffers).
+  """
+  config: ml_collections.ConfigDict
+  workdir: str
+  model: Any
+  boundaries: tuple[int, ...]
+  stages: list
+  schedule: fdg_jax.Schedule
+  learning_rate: optax.Schedule
+  train_iter: data_lib.BatchIterator
+  test_ds: data_lib.Dataset
+  steps_per_epoch: int
+  total_steps: int
+  example: tuple[np.ndarray, np.ndarray]
+  params: list | None
+  model_states: list | None
+
+  def test_iter(self) -> data_lib.BatchIterator:
+    """One pass over the test split (every example once, padded rows masked)."""
+    return data_lib.BatchIterator(self.test_ds, self.config.eval_batch_size, train=False,
+                                  seed=0, drop_remainder=False, **_process())
+
+
+def _process() -> dict:
+  return dict(process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+  """Validates `config` and builds everything the run needs, each piece once.
+
+  Raises ConfigError or DatasetNotFoundError (one line) before any training work.
+  """
+  validate_fields(config)
+  setup_cpu_devices(config.num_cpu_devices)
+  os.makedirs(workdir, exist_ok=True)
+  _check_or_write_config(config, workdir)
+  model = create_model(config)
+  validate_model(config, model)
+
+  data_dir = config.data_dir or None
+  train_ds = data_lib.load(config.dataset, "train", data_dir)
+  test_ds = data_lib.load(config.dataset, "test", data_dir)
+  if config.batch_size > train_ds.num_examples:
+    raise ConfigError(f"batch_size={config.batch_size} exceeds the {train_ds.num_examples} "
+                      f"training examples of {config.dataset}; lower --config.batch_size")
+  train_iter = data_lib.BatchIterator(train_ds, config.batch_size, train=True,
+                                      seed=config.seed, drop_remainder=True, **_process())
+  steps_per_epoch = train_iter.steps_per_epoch
+  total_steps = config.num_epochs * steps_per_epoch
+  if config.max_steps > 0:
+    total_steps = min(total_steps, config.max_steps)
+
   x1 = jnp.zeros((1,) + tuple(train_ds.image_shape), jnp.float32)
   bounds = partition.boundaries(model, config.num_stages, partition.parse_split(config.split),
                                 example_input=x1)
   stages = partition.stages_from_boundaries(model, bounds)
   params, model_states = fdg_jax.init_stages(stages, jax.random.PRNGKey(config.seed), x1)
-  return model, bounds, stages, params, model_states
+  schedule, lr = make_schedule(config, stages, steps_per_epoch)
+  rows = _local_rows(schedule, config.batch_size)
+  example = (np.zeros((rows,) + tuple(train_ds.image_shape), np.float32),
+             np.zeros((rows,), np.int32))
+  return Run(config=config, workdir=workdir, model=model, boundaries=tuple(bounds),
+             stages=stages, schedule=schedule, learning_rate=lr, train_iter=train_iter,
+             test_ds=test_ds, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+             example=example, params=params, model_states=model_states)
+
+
+def _local_rows(schedule, batch_size: int) -> int:
+  """The rows of each batch this process feeds (ConfigError if processes feed unevenly)."""
+  local = schedule.placement.local_batch_slice(batch_size)
+  rows = local.stop - local.start
+  if rows != batch_size // jax.process_count() or local.start != jax.process_index() * rows:
+    raise ConfigError(f"this process feeds {rows} rows of each batch of {batch_size}; use "
+                      "as many replicas per process on every process")
+  return rows
 
 
 def make_schedule(config, stages, steps_per_epoch: int):
+  """The config's schedule over `stages`, and its learning-rate schedule."""
   lr = learning_rate_schedule(
       config.lr_schedule, config.learning_rate, steps_per_epoch=steps_per_epoch,
       num_epochs=config.num_epochs, warmup_epochs=config.warmup_epochs,
@@ -381,206 +455,249 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   Raises:
     ConfigError, DatasetNotFoundError, DivergedError, Interrupted (all one-line messages).
   """
-  validate(config)
-  setup_cpu_devices(config.num_cpu_devices)
-  os.makedirs(workdir, exist_ok=True)
-  _check_or_write_config(config, workdir)
+  run = setup(config, workdir)
+  loop = TrainingLoop(run)
+  try:
+    with _stop_on_signals() as stop:
+      while loop.step < run.total_steps:
+        loop.train_until_next_boundary()
+        if loop.at(config.log_every_steps):
+          loop.log_progress()
+        if loop.evaluation_due():
+          loop.evaluate_and_record()
+        loop.end_epoch_if_done()
+        if loop.at(config.checkpoint_every_steps) or loop.step == run.total_steps:
+          loop.save()
+        loop.stop_if_signalled(stop)
+      loop.flush_losses()
+  finally:
+    loop.close()
+  return loop.result()
 
-  data_dir = config.data_dir or None
-  train_ds = data_lib.load(config.dataset, "train", data_dir)
-  test_ds = data_lib.load(config.dataset, "test", data_dir)
-  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  train_it = data_lib.BatchIterator(train_ds, config.batch_size, train=True, seed=config.seed,
-                                    drop_remainder=True, **process)
-  steps_per_epoch = train_it.steps_per_epoch
-  if steps_per_epoch < 1:
-    raise ConfigError(f"batch_size={config.batch_size} exceeds the {train_ds.num_examples} "
-                      f"training examples of {config.dataset}; lower --config.batch_size")
-  total_steps = config.num_epochs * steps_per_epoch
-  if config.max_steps > 0:
-    total_steps = min(total_steps, config.max_steps)
 
-  model, bounds, stages, params, model_states = build(config, train_ds)
-  schedule, lr = make_schedule(config, stages, steps_per_epoch)
-  local = schedule.placement.local_batch_slice(config.batch_size)
-  local_rows = local.stop - local.start
-  if (local_rows != config.batch_size // jax.process_count()
-      or local.start != jax.process_index() * local_rows):
-    raise ConfigError(f"this process feeds {local_rows} rows of each batch of "
-                      f"{config.batch_size}; use as many replicas per process on every process")
-  example = (np.zeros((local_rows,) + tuple(train_ds.image_shape), np.float32),
-             np.zeros((local_rows,), np.int32))
-  state = schedule.init(params, model_states, rng=jax.random.PRNGKey(config.seed + 1),
-                        example_batch=example)
+class TrainingLoop:
+  """The state of a run between ticks, and the steps the loop takes on it.
 
-  ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR))
-  start = None
-  progress = {"wall_time": 0.0, "train_loss_sum": 0.0, "train_acc_sum": 0.0, "train_count": 0}
-  if ckpt.latest_step() is not None:
+  Ticks run in `schedule.run` calls of up to `ticks_per_call` ticks, cut at every log,
+  evaluation and checkpoint step, so that the loop acts exactly where an uninterrupted
+  one-tick-at-a-time loop would. Losses stay on the device until a log step.
+  """
+
+  def __init__(self, run: Run):
+    self.run = run
+    self.config = config = run.config
+    self.schedule = run.schedule
+    self.ckpt = Checkpointer(os.path.join(run.workdir, CHECKPOINT_DIR))
+    self.progress = {"wall_time": 0.0, "train_loss_sum": 0.0, "train_acc_sum": 0.0,
+                     "train_count": 0}
+    self.state, start = self._restore_or_init()
+    self.last_good = start
+    self.step = 0 if start is None else int(start)
+    self.writer = _MetricWriter(run.workdir, self.step)
+    self.pending: list = []  # metrics of `run` calls whose losses are not read yet
+    self.ticks_per_call = config.get("ticks_per_call", 1)
+    self.run_start = time.time() - self.progress["wall_time"]
+    self.final: dict = {}
+    self.bar = None
+    self._start_epoch_clock()
+
+  # ---- start -----------------------------------------------------------------------------
+  def _restore_or_init(self):
+    """The schedule state to start from: the newest checkpoint that restores, else fresh."""
+    run = self.run
+    state = run.schedule.init(run.params, run.model_states,
+                              rng=jax.random.PRNGKey(self.config.seed + 1),
+                              example_batch=run.example)
+    run.params = run.model_states = None
+    if self.ckpt.latest_step() is None:
+      return state, None
     # Restore into shapes and shardings only, freeing the freshly built state first, so
     # that a resume does not hold two copies of the parameters and stashes.
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         if isinstance(a, jax.Array) else a, state)
     del state
-    start, state, data_state, progress = ckpt.restore_latest(target)
+    start, state, data_state, self.progress = self.ckpt.restore_latest(target)
     state["tick"] = np.asarray(state["tick"], np.int64)
-    train_it.set_state(data_state)
-    _log(f"resumed from step {start} in {workdir}")
-  step = 0 if start is None else int(start)
-  writer = _MetricWriter(workdir, step)
-  last_good = start
+    run.train_iter.set_state(data_state)
+    _log(f"resumed from step {start} in {run.workdir}")
+    return state, start
 
-  pending: list = []  # metrics of `run` calls whose losses are not read yet
-  ticks_per_call = config.get("ticks_per_call", 1)
-  xs = np.zeros((ticks_per_call,) + example[0].shape, example[0].dtype)
-  ys = np.zeros((ticks_per_call,) + example[1].shape, example[1].dtype)
-  epoch_start_time = time.time()
-  run_start = time.time() - progress["wall_time"]
-  epoch_steps = 0
-  paused = 0.0  # seconds of checkpointing within the current interval (not training)
-  final: dict = {}
-  bar = None
-  multi_process = jax.process_count() > 1
+  def _start_epoch_clock(self):
+    self.epoch_start_time = time.time()
+    self.epoch_steps = 0
+    self.paused = 0.0  # seconds of checkpointing within the current epoch (not training)
 
-  def flush_losses():
+  # ---- training ----------------------------------------------------------------------------
+  def at(self, every: int) -> bool:
+    return self.step % every == 0
+
+  def ticks_to_next_boundary(self) -> int:
+    """Ticks for the next `run` call: up to ticks_per_call, ending at the next log,
+    evaluation or checkpoint step (where the loop acts between calls)."""
+    c, step = self.config, self.step
+    return min(self.ticks_per_call, self.run.total_steps - step,
+               self.run.steps_per_epoch - step % self.run.steps_per_epoch,
+               c.log_every_steps - step % c.log_every_steps,
+               c.checkpoint_every_steps - step % c.checkpoint_every_steps)
+
+  def next_batches(self, num_ticks: int):
+    """`num_ticks` training batches in buffers of length ticks_per_call (one compiled
+    program whatever num_ticks); fresh buffers every call, as a device may still read
+    (or, on CPU, alias) the last ones."""
+    x, y = self.run.example
+    xs = np.zeros((self.ticks_per_call,) + x.shape, x.dtype)
+    ys = np.zeros((self.ticks_per_call,) + y.shape, y.dtype)
+    for i in range(num_ticks):
+      row = next(self.run.train_iter)
+      xs[i], ys[i] = row["image"], row["label"]
+    return xs, ys
+
+  def train_until_next_boundary(self) -> None:
+    if self.bar is None and self.config.progress_bar:
+      self.bar = _progress_bar(self.config, self.run.steps_per_epoch, self.step)
+    num_ticks = self.ticks_to_next_boundary()
+    self.state, metrics = self.schedule.run(self.state, self.next_batches(num_ticks),
+                                            num_ticks)
+    self.pending.append(metrics)
+    self.step += num_ticks
+    self.epoch_steps += num_ticks
+    if self.bar is not None:
+      self.bar.update(num_ticks)
+
+  def flush_losses(self) -> None:
     """Moves the losses of the last calls to the host and stops on a non-finite one."""
-    nonlocal pending
-    if not pending:
+    if not self.pending:
       return
+    pending, self.pending = self.pending, []
     got = jax.device_get([(m["loss"], m["accuracy"], m["valid"]) for m in pending])
     ticks = np.concatenate([np.asarray(m["tick"]) for m in pending])
-    pending = []
     valid = np.concatenate([np.asarray(v, bool).reshape(-1) for _, _, v in got])
     losses = np.concatenate([np.asarray(l, np.float64).reshape(-1) for l, _, _ in got])[valid]
     accs = np.concatenate([np.asarray(a, np.float64).reshape(-1) for _, a, _ in got])[valid]
     if not np.all(np.isfinite(losses)):
       bad = int(ticks[valid][~np.isfinite(losses)][0]) + 1
-      k = _nonfinite_stage(schedule, state)
+      k = _nonfinite_stage(self.schedule, self.state)
       where = f"stage {k}'s parameters" if k is not None else "the loss"
-      saved = (f"last good checkpoint: step {last_good} in {ckpt.directory}"
-               if last_good is not None else "no checkpoint was saved yet")
-      raise DivergedError(
-          f"training diverged: non-finite loss at step {bad} ({where} non-finite by step "
-          f"{step}); {saved}; lower --config.learning_rate or --config.momentum, or try "
-          "--config.beta<1")
-    progress["train_loss_sum"] += float(losses.sum())
-    progress["train_acc_sum"] += float(accs.sum())
-    progress["train_count"] += int(losses.size)
+      self._diverged(f"non-finite loss at step {bad} ({where} non-finite by step "
+                     f"{self.step})")
+    self.progress["train_loss_sum"] += float(losses.sum())
+    self.progress["train_acc_sum"] += float(accs.sum())
+    self.progress["train_count"] += int(losses.size)
 
-  def ticks_to_next_boundary():
-    """Ticks for the next `run` call: up to ticks_per_call, ending at the next log,
-    evaluation or checkpoint step (where the loop acts between calls)."""
-    return min(ticks_per_call, total_steps - step,
-               steps_per_epoch - step % steps_per_epoch,
-               config.log_every_steps - step % config.log_every_steps,
-               config.checkpoint_every_steps - step % config.checkpoint_every_steps)
+  def _diverged(self, what: str):
+    saved = (f"last good checkpoint: step {self.last_good} in {self.ckpt.directory}"
+             if self.last_good is not None else "no checkpoint was saved yet")
+    raise DivergedError(f"training diverged: {what}; {saved}; lower --config.learning_rate "
+                        "or --config.momentum, or try --config.beta<1")
 
-  def save():
-    nonlocal last_good, paused
+  # ---- reporting ---------------------------------------------------------------------------
+  def log_progress(self) -> None:
+    self.flush_losses()
+    p = self.progress
+    if self.bar is not None and p["train_count"]:
+      self.bar.set_postfix(loss=p["train_loss_sum"] / p["train_count"],
+                           samples_s=self._samples_per_second(time.time()))
+
+  def _samples_per_second(self, now: float) -> float:
+    seconds = now - self.epoch_start_time - self.paused
+    return self.config.batch_size * self.epoch_steps / max(seconds, 1e-9)
+
+  def _end_of_epoch(self) -> bool:
+    return self.step % self.run.steps_per_epoch == 0
+
+  def evaluation_due(self) -> bool:
+    epoch = self.step // self.run.steps_per_epoch
+    return ((self._end_of_epoch() and epoch % self.config.eval_every_epochs == 0)
+            or self.step == self.run.total_steps)
+
+  def evaluate_and_record(self) -> None:
+    """Test-set metrics plus the training averages since the last epoch end, to
+    metrics.jsonl (and TensorBoard)."""
+    self.flush_losses()
+    now, p, spe = time.time(), self.progress, self.run.steps_per_epoch
+    record = {
+        "epoch": self.step // spe if self._end_of_epoch() else self.step / spe,
+        "step": self.step,
+        "train_loss": _mean(p["train_loss_sum"], p["train_count"]),
+        "train_accuracy": _mean(p["train_acc_sum"], p["train_count"]),
+        **evaluate(self.schedule, self.state, self.run.test_iter()),
+        "learning_rate": float(self.run.learning_rate(self.step)),
+        "samples_per_second": self._samples_per_second(now),
+        "wall_time": time.time() - self.run_start,
+    }
+    self.writer.write(record)
+    self.final = record
+    if self.bar is not None:
+      self.bar.set_postfix(loss=record["train_loss"], test_acc=record["test_accuracy"],
+                           samples_s=record["samples_per_second"])
+
+  def end_epoch_if_done(self) -> None:
+    """At an epoch's end: reset the training averages (where an evaluation happened; one
+    where a run stops mid-epoch leaves the sums be) and the epoch's clock and bar."""
+    if not self._end_of_epoch():
+      return
+    if self.evaluation_due():
+      self.progress.update(train_loss_sum=0.0, train_acc_sum=0.0, train_count=0)
+      self._start_epoch_clock()
+    if self.bar is not None:
+      self.bar.close()
+      self.bar = None
+
+  # ---- checkpoints and stopping --------------------------------------------------------------
+  def save(self) -> None:
+    """Checkpoints the state at `step`, unless any part of it is non-finite."""
     t0 = time.time()
-    flush_losses()
+    self.flush_losses()
     # A parameter can go non-finite ticks before its effect reaches the loss (stage 0's
     # update shows in a loss K ticks later under FDG): never checkpoint such a state.
-    bad = _nonfinite_part(schedule, state)
+    bad = _nonfinite_part(self.schedule, self.state)
     if bad is not None:
-      raise DivergedError(
-          f"training diverged: {bad} non-finite at step {step}; "
-          + (f"last good checkpoint: step {last_good} in {ckpt.directory}; "
-             if last_good is not None else "no checkpoint was saved yet; ")
-          + "lower --config.learning_rate or --config.momentum, or try --config.beta<1")
-    progress["wall_time"] = time.time() - run_start
-    ckpt.save(step, state, train_it.get_state(), progress)
-    last_good = step
-    paused += time.time() - t0
+      self._diverged(f"{bad} non-finite at step {self.step}")
+    self.progress["wall_time"] = time.time() - self.run_start
+    self.ckpt.save(self.step, self.state, self.run.train_iter.get_state(), self.progress)
+    self.last_good = self.step
+    self.paused += time.time() - t0
 
-  try:
-    with _stop_on_signals() as stop:
-      while step < total_steps:
-        if bar is None and config.progress_bar:
-          bar = _progress_bar(config, steps_per_epoch, step)
-        num_ticks = ticks_to_next_boundary()
-        # Fresh buffers every call: a device may still read (or, on CPU, alias) the last ones.
-        xs, ys = np.zeros_like(xs), np.zeros_like(ys)
-        for i in range(num_ticks):
-          row = next(train_it)
-          xs[i], ys[i] = row["image"], row["label"]
-        # Buffers of one length (ticks_per_call) whatever num_ticks: one compiled program.
-        state, m = schedule.run(state, (xs, ys), num_ticks)
-        pending.append(m)
-        step += num_ticks
-        epoch_steps += num_ticks
-        if bar is not None:
-          bar.update(num_ticks)
-        if step % config.log_every_steps == 0:
-          flush_losses()
-          if bar is not None and progress["train_count"]:
-            bar.set_postfix(loss=progress["train_loss_sum"] / progress["train_count"],
-                            samples_s=config.batch_size * epoch_steps /
-                            max(time.time() - epoch_start_time, 1e-9))
-        end_of_epoch = step % steps_per_epoch == 0
-        epoch = step // steps_per_epoch if end_of_epoch else step / steps_per_epoch
-        if (end_of_epoch and epoch % config.eval_every_epochs == 0) or step == total_steps:
-          flush_losses()
-          train_time = time.time() - epoch_start_time - paused
-          test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False,
-                                           seed=0, drop_remainder=False, **process)
-          record = {
-              "epoch": epoch, "step": step,
-              "train_loss": _mean(progress["train_loss_sum"], progress["train_count"]),
-              "train_accuracy": _mean(progress["train_acc_sum"], progress["train_count"]),
-              **evaluate(schedule, state, test_it),
-              "learning_rate": float(lr(step)),
-              "samples_per_second": config.batch_size * epoch_steps / max(train_time, 1e-9),
-              "wall_time": time.time() - run_start,
-          }
-          writer.write(record)
-          final = record
-          if bar is not None:
-            bar.set_postfix(loss=record["train_loss"], test_acc=record["test_accuracy"],
-                            samples_s=record["samples_per_second"])
-          if end_of_epoch:  # an evaluation where a run stops mid-epoch leaves the sums be
-            progress.update(train_loss_sum=0.0, train_acc_sum=0.0, train_count=0)
-            epoch_steps = 0
-            paused = 0.0
-            epoch_start_time = time.time()
-        if end_of_epoch and bar is not None:
-          bar.close()
-          bar = None
-        if step % config.checkpoint_every_steps == 0 or step == total_steps:
-          save()
-        # Several processes must stop (and join the collective save) at the same step: a
-        # signal one of them got is acted on at the next log step, agreed by all.
-        agreed = not multi_process or step % config.log_every_steps == 0
-        if multi_process and agreed:
-          from jax.experimental import multihost_utils
-          signums = multihost_utils.process_allgather(np.int32(stop["signum"] or 0))
-          stop["signum"] = int(np.max(signums)) or None
-        if stop["signum"] is not None and agreed:
-          if last_good != step:
-            save()
-          name = signal.Signals(stop["signum"]).name
-          raise Interrupted(f"{name}: stopped at step {step}, checkpoint saved in "
-                            f"{ckpt.directory}; run the same command to resume",
-                            stop["signum"])
-      flush_losses()
-  finally:
-    if bar is not None:
-      bar.close()
-    writer.close()
-    ckpt.close()
+  def stop_if_signalled(self, stop: dict) -> None:
+    """After SIGINT/SIGTERM: checkpoint and raise Interrupted.
 
-  if not final:
-    test_it = data_lib.BatchIterator(test_ds, config.eval_batch_size, train=False, seed=0,
-                                      drop_remainder=False, **process)
-    final = {"step": step, **evaluate(schedule, state, test_it)}
-  wall = time.time() - run_start
-  label = _run_label(config)
-  if jax.process_index() == 0:
-    _log(f"done: {label}, {step} steps, final test accuracy {final['test_accuracy']:.4f} "
-         f"(loss {final['test_loss']:.4f}) in {wall:.1f} s; workdir {workdir}")
-  return {**final, "steps": step, "wall_time": wall,
-          "params": host_copy(schedule.params(state))}
+    Several processes must stop (and join the collective save) at the same step: a signal
+    one of them got is acted on at the next log step, agreed by all.
+    """
+    multi_process = jax.process_count() > 1
+    agreed = not multi_process or self.at(self.config.log_every_steps)
+    if multi_process and agreed:
+      from jax.experimental import multihost_utils
+      signums = multihost_utils.process_allgather(np.int32(stop["signum"] or 0))
+      stop["signum"] = int(np.max(signums)) or None
+    if stop["signum"] is None or not agreed:
+      return
+    if self.last_good != self.step:
+      self.save()
+    name = signal.Signals(stop["signum"]).name
+    raise Interrupted(f"{name}: stopped at step {self.step}, checkpoint saved in "
+                      f"{self.ckpt.directory}; run the same command to resume", stop["signum"])
+
+  # ---- end ---------------------------------------------------------------------------------
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    self.writer.close()
+    self.ckpt.close()
+
+  def result(self) -> dict:
+    """The last evaluation (made now if the loop made none), steps, wall time, params."""
+    if not self.final:
+      self.final = {"step": self.step,
+                    **evaluate(self.schedule, self.state, self.run.test_iter())}
+    wall = time.time() - self.run_start
+    if jax.process_index() == 0:
+      _log(f"done: {_run_label(self.config)}, {self.step} steps, final test accuracy "
+           f"{self.final['test_accuracy']:.4f} (loss {self.final['test_loss']:.4f}) in "
+           f"{wall:.1f} s; workdir {self.run.workdir}")
+    return {**self.final, "steps": self.step, "wall_time": wall,
+            "params": host_copy(self.schedule.params(self.state))}
 
 
 def _mean(total, count):

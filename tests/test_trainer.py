@@ -362,3 +362,31 @@ def test_resume_with_changed_fields_says_so_and_records_it(tmp_path, capfd):
   records = [json.loads(l) for l in open(tmp_path / trainer.CONFIG_CHANGES_FILE)]
   assert records[-1]["changes"] == {"learning_rate": [0.1, 0.05], "max_steps": [5, 10]}
   assert json.load(open(tmp_path / "config.json"))["learning_rate"] == 0.1  # as started
+
+
+def test_setup_builds_the_model_once_and_describes_the_run(tmp_path, monkeypatch):
+  from fdg_jax import models
+  calls = []
+  create = models.create
+
+  def counting_create(*args, **kwargs):
+    calls.append(args)
+    return create(*args, **kwargs)
+
+  monkeypatch.setattr(models, "create", counting_create)
+  c = tiny_config(algorithm="fdg", num_stages=2, batch_size=64)
+  run = trainer.setup(c, str(tmp_path))
+  assert len(calls) == 1
+  assert len(run.stages) == 2 and len(run.boundaries) == 1  # the K-1 cut points
+  assert 0 < run.boundaries[0] < run.model.num_blocks
+  assert run.steps_per_epoch == 1437 // 64
+  assert run.total_steps == 2 * run.steps_per_epoch
+  assert run.schedule.algorithm == "fdg" and run.example[0].shape == (64, 8, 8, 1)
+
+
+def test_trainer_functions_stay_short():
+  import ast
+  tree = ast.parse((ROOT / "fdg_jax" / "trainer.py").read_text())
+  lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  assert lengths and max(lengths.values()) <= 80, sorted(lengths.items(), key=lambda kv: -kv[1])[:3]
