@@ -56,6 +56,7 @@ from fdg_jax.delays import delay, ring_size
 from fdg_jax.packing import Layout
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
+from fdg_jax import staleness as staleness_lib
 from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
@@ -113,7 +114,7 @@ class Schedule:
   def __init__(self, algorithm: str, stages: Sequence[Stage], loss_fn: Callable,
                optimizer, *, beta: float = 1.0, backward: str = "stash",
                devices=None, mesh=None, metrics_fn: Callable | None = None,
-               engine: str = "auto", scan: bool | None = None):
+               engine: str = "auto", scan: bool | None = None, telemetry: bool = False):
     if algorithm not in ALGORITHMS:
       raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if backward not in BACKWARD_POLICIES:
@@ -136,6 +137,7 @@ class Schedule:
     self.beta = float(beta)
     self.backward = backward
     self.metrics_fn = metrics_fn or classification_metrics
+    self.telemetry_enabled = bool(telemetry)
     self.placement = Placement.create(self.num_stages, devices=devices, mesh=mesh)
     self.optimizers = self._stage_optimizers(optimizer)
     one_device = self.placement.single_device is not None
@@ -154,6 +156,8 @@ class Schedule:
     self._eval_fns: dict = {}
     self._unpack_fns: dict = {}
     self._constants: dict = {}
+    self._telemetry_fns: dict = {}
+    self._core_entry_sizes: list = [None] * self.num_stages
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
 
@@ -189,16 +193,32 @@ class Schedule:
     return not (platform == "cpu" and self._has_conv)
 
   def _stage_optimizers(self, optimizer):
+    """Stage k's optimizer: `optimizer` itself, its k-th entry, or `optimizer(k, d_k)`.
+
+    Every one becomes a `staleness.DelayedTransformation` (a plain optax transform gets the
+    identity forward hook); FDG's shrinking is chained first.
+    """
     K = self.num_stages
-    if isinstance(optimizer, optax.GradientTransformation):
+    if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
       opts = [optimizer] * K
+    elif callable(optimizer):  # a factory of the stage and its delay
+      opts = [optimizer(k, d) for k, d in enumerate(self.delays)]
     else:
       opts = list(optimizer)
       if len(opts) != K:
         raise ValueError(f"got {len(opts)} optimizers for {K} stages")
     if self.algorithm == "fdg" and self.beta != 1.0:
-      opts = [optax.chain(shrink(self.beta, k, K), o) for k, o in enumerate(opts)]
-    return opts
+      opts = [staleness_lib.chain(shrink(self.beta, k, K), o) for k, o in enumerate(opts)]
+    return [staleness_lib.with_forward(o) for o in opts]
+
+  def _forward_params(self, k, params, opt_state, flag):
+    """The weights stage k's forward runs at (its optimizer's forward hook, e.g. weight
+    prediction), and the optimizer state after the hook; masked by `flag`."""
+    new_params, new_state = self.optimizers[k].forward(params, opt_state)
+    same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    if not same(new_state, opt_state):  # a hook that records (DC's ring of forward weights)
+      new_state = _select(flag, new_state, opt_state)
+    return new_params, new_state
 
   def _flags(self, k: int, t):
     """(forwards, backwards) of stage k at tick t (for the last stage: active, active).
@@ -235,6 +255,7 @@ class Schedule:
     """Gradient w.r.t. stage k's params and input, given the stash entry and a cotangent.
 
     `rng` is the key the forward used (needed only to recompute it)."""
+    entry = entry[:self._core_entry_sizes[k]]  # without the telemetry's extras
     if self.backward == "stash":
       vjp_fn = jax.tree.unflatten(self._stash_treedefs[k], list(entry))
     else:
@@ -279,8 +300,10 @@ class Schedule:
         (x, y), batch = act, s["pushes"]
       else:
         x, y, batch = act
+      params_fwd, s["opt_state"] = self._forward_params(k, params_fwd, s["opt_state"], do_fwd)
       h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x,
                                             _stage_key(s["rng"], batch))
+      entry = entry + self._telemetry_extras(k, params_fwd, x, y)
       slot = s["pushes"] % D
       s["stash"] = self._ring_write(s["stash"], slot, entry, do_fwd)
       s["stash_batch"] = s["stash_batch"].at[slot].set(
@@ -319,6 +342,7 @@ class Schedule:
     else:
       x, y, batch = act
     sub = _stage_key(s["rng"], batch)
+    params_fwd, s["opt_state"] = self._forward_params(K - 1, s["params"], s["opt_state"], active)
 
     def loss(p, a):
       out, ms = stage.apply(p, s["model_state"], a, train=True, rng=sub)
@@ -326,7 +350,7 @@ class Schedule:
 
     argnums = (0, 1) if K > 1 else 0
     (value, (out, ms)), grads = jax.value_and_grad(loss, argnums, has_aux=True)(
-        s["params"], x)
+        params_fwd, x)
     grads, grad_x = grads if K > 1 else (grads, None)
     params, opt_state = self._update(K - 1, s["params"], s["opt_state"], grads)
     new = _select(active, (params, opt_state, ms),
@@ -604,6 +628,7 @@ class Schedule:
     x_spec, y_spec = spec(batch[0]), spec(batch[1])
     self._batch_spec = (x_spec, y_spec)
     self._entry_specs = [None] * K
+    self._core_entry_sizes = [None] * K
     self._act_specs, self._act_shardings, self._cot_shardings = ([None] * K for _ in range(3))
     has_conv = False
 
@@ -616,6 +641,8 @@ class Schedule:
         entry = tuple(leaves)
       else:
         entry, treedef = (a,), None
+      self._core_entry_sizes[k] = len(entry)
+      entry = entry + self._telemetry_extras(k, s["params"], a, y_spec)
       h, _, _ = jax.eval_shape(lambda *z: self._forward(k, *z), *args)
       return entry, treedef, h
 
@@ -827,6 +854,99 @@ class Schedule:
       if k + 1 < self.num_stages:
         x = self.placement.put_batch(k + 1, x)
     return x
+
+  # ------------------------------------------------------------------ telemetry
+  def _telemetry_extras(self, k, params_fwd, x, y) -> tuple:
+    """What telemetry adds to stage k's stash entry: the weights its forward ran at and,
+    on stage 0, the batch itself (every batch awaiting a gradient is in stage 0's ring)."""
+    if not self.telemetry_enabled:
+      return ()
+    return tuple(jax.tree.leaves(params_fwd)) + ((x, y) if k == 0 else ())
+
+  def telemetry(self, state) -> dict:
+    """How stale the gradients are that the stages apply at the next tick.
+
+    Needs `Schedule(..., telemetry=True)`, which keeps, per stash entry, the weights the
+    forward ran at (D_k copies of stage k's parameters) and, on stage 0, the batch.
+    Returns {"weight_discrepancy": [K], "grad_cosine": [K]}, floats or None where stage k
+    applies no stale gradient at the next tick (delay 0, or the pipeline still filling):
+      weight_discrepancy: ||theta_now - theta_fwd|| / ||theta_now||, theta_fwd the weights
+        the batch's forward ran at (after any forward hook, e.g. weight prediction);
+      grad_cosine: the cosine between the stale gradient the stage applies (its stash
+        entry and the cotangent waiting for it) and the fresh gradient of the same batch:
+        backprop through the whole network at the current weights.
+    """
+    if not self.telemetry_enabled:
+      raise ValueError("telemetry needs a schedule built with telemetry=True")
+    if jax.process_count() > 1:
+      raise ValueError("staleness telemetry runs in single-process runs only")
+    K, t = self.num_stages, int(state["tick"])
+    out = {"weight_discrepancy": [None] * K, "grad_cosine": [None] * K}
+    if state["inbox"] is None:
+      return out
+    home = self.placement.state_shardings[0]
+    fresh_inputs = None
+    for k in range(K - 1):
+      if self.delays[k] == 0 or self._flags(k, t)[1] is not True:
+        continue
+      grads, discrepancy, b = self._telemetry_fn("applied", k)(
+          state["stages"][k], state["inbox"][k]["cot"])
+      out["weight_discrepancy"][k] = float(discrepancy)
+      if fresh_inputs is None:
+        cores = [self.stage_state(state, j) for j in range(K)]
+        fresh_inputs = jax.device_put(
+            [(c["params"], c["model_state"], c["rng"]) for c in cores], home)
+      b = np.int32(b)  # the batch index, from stage k's devices to stage 0's
+      x, y, found = self._telemetry_fn("batch", 0)(state["stages"][0], b)
+      if not bool(found):
+        continue
+      out["grad_cosine"][k] = float(self._telemetry_fn("cosine", k)(
+          fresh_inputs, x, y, b, jax.device_put(grads, home)))
+    return out
+
+  def _telemetry_fn(self, kind: str, k: int):
+    key = (kind, k)
+    if key in self._telemetry_fns:
+      return self._telemetry_fns[key]
+    D = ring_size(self.algorithm, k, self.num_stages)
+    n = self._core_entry_sizes[k]
+
+    def applied(packed, cot):
+      s = self._unpack_stage(k, packed)
+      slot = s["pops"] % D
+      entry = self._ring_read(s["stash"], slot)
+      b = s["stash_batch"][slot]
+      grads, _ = self._backward(k, s["params"], s["model_state"], entry, cot,
+                                _stage_key(s["rng"], b))
+      leaves, treedef = jax.tree.flatten(s["params"])
+      theta_fwd = entry[n:n + len(leaves)]
+      sq = lambda trees: sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in trees)
+      diff = sq([a - f for a, f in zip(leaves, theta_fwd)])
+      return grads, jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(sq(leaves)), 1e-30), b
+
+    def batch(packed, b):
+      s = self._unpack_stage(0, packed)
+      hit = s["stash_batch"] == b
+      slot = jnp.argmax(hit)
+      x, y = s["stash"][-2][slot], s["stash"][-1][slot]
+      return x, y, jnp.any(hit)
+
+    def cosine(inputs, x, y, b, applied_grads):
+      def loss(all_params):
+        h = x
+        for j, (p, (_, ms, rng)) in enumerate(zip(all_params, inputs)):
+          h, _ = self.stages[j].apply(p, ms, h, train=True, rng=_stage_key(rng, b))
+        return self.loss_fn(h, y)
+      fresh = jax.grad(loss)([p for p, _, _ in inputs])[k]
+      f = [a.astype(jnp.float32) for a in jax.tree.leaves(fresh)]
+      g = [a.astype(jnp.float32) for a in jax.tree.leaves(applied_grads)]
+      dot = sum(jnp.sum(a * c) for a, c in zip(f, g))
+      norm = lambda v: jnp.sqrt(sum(jnp.sum(a * a) for a in v))
+      return dot / jnp.maximum(norm(f) * norm(g), 1e-30)
+
+    fn = jax.jit({"applied": applied, "batch": batch, "cosine": cosine}[kind])
+    self._telemetry_fns[key] = fn
+    return fn
 
   def stash_bytes(self, state) -> list[int]:
     """Bytes held by each stage's delay buffer (stash and its batch indices)."""
