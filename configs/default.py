@@ -43,6 +43,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lr_milestones = (150, 225, 275)  # epochs, for multistep
   c.lr_gamma = 0.1
   c.warmup_epochs = 1.0
+  # Staleness remedies (fdg_jax.staleness), each applied per stage with its delay d_k.
+  c.staleness = "none"         # none | lr_by_delay | weight_prediction | spike_compensation |
+                               # dc | nesterov_delay
+  c.staleness_ramp_epochs = 7.0  # lr_by_delay: epochs until every stage runs at the base lr
+  c.staleness_horizon = -1.0   # weight_prediction: steps to extrapolate (-1: the delay d_k)
+  c.dc_lambda = 0.04           # dc: the compensation strength lambda
+  c.dc_adaptive = False        # dc: lambda_t = dc_lambda0 / sqrt(M + eps) (DC-ASGD-a)
+  c.dc_lambda0 = 2.0
+  c.dc_decay = 0.95            # dc adaptive: the decay of M, the mean square gradient
+  c.nesterov_gamma = 0.99      # nesterov_delay: the look-ahead momentum gamma
+  c.telemetry_every_steps = 0  # >0: every N steps, per-stage weight discrepancy and stale-vs-
+                               # fresh gradient cosine in metrics.jsonl (0: off)
   # Run.
   c.seed = 0
   c.checkpoint_every_steps = 500

@@ -64,6 +64,7 @@ def validate_fields(config) -> None:
     _fail(f"unknown lr_schedule {config.lr_schedule!r}; use constant, multistep or cosine")
   if config.warmup_epochs < 0 or config.warmup_epochs > config.num_epochs:
     _fail(f"warmup_epochs={config.warmup_epochs} must lie in [0, num_epochs]")
+  _validate_staleness(config)
   if config.get("engine", "auto") not in ("auto", "fused", "per_stage"):
     _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage")
   for key in ("checkpoint_every_steps", "eval_every_epochs", "log_every_steps",
@@ -92,6 +93,30 @@ def validate(config) -> None:
   """
   validate_fields(config)
   validate_model(config, create_model(config))
+
+
+def _validate_staleness(config) -> None:
+  from fdg_jax.staleness import METHODS
+  method = config.get("staleness", "none")
+  if method not in METHODS:
+    _fail(f"unknown staleness {method!r}; use --config.staleness={'|'.join(METHODS)}")
+  if method in ("spike_compensation", "nesterov_delay") and config.optimizer != "sgd":
+    _fail(f"staleness={method} replaces SGD's rule; use --config.optimizer=sgd")
+  if method == "spike_compensation" and (not 0.0 < config.momentum < 1.0 or config.nesterov):
+    _fail("staleness=spike_compensation compensates heavy-ball momentum: set "
+          "--config.momentum in (0, 1) and --config.nesterov=False")
+  if config.get("staleness_ramp_epochs", 0.0) < 0:
+    _fail(f"staleness_ramp_epochs={config.staleness_ramp_epochs} must be >= 0")
+  if not 0.0 <= config.get("nesterov_gamma", 0.99) < 1.0:
+    _fail(f"nesterov_gamma={config.nesterov_gamma} must lie in [0, 1)")
+  if not 0.0 <= config.get("dc_decay", 0.95) < 1.0:
+    _fail(f"dc_decay={config.dc_decay} must lie in [0, 1)")
+  every = config.get("telemetry_every_steps", 0)
+  if not isinstance(every, int) or every < 0:
+    _fail(f"telemetry_every_steps={every} must be an integer >= 0 (0: off)")
+  if every and config.num_replicas > 1:
+    _fail("staleness telemetry measures one pipeline: use --config.num_replicas=1 or "
+          "--config.telemetry_every_steps=0")
 
 
 def create_model(config):

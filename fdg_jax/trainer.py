@@ -30,7 +30,7 @@ import optax
 
 import fdg_jax
 from fdg_jax import data as data_lib
-from fdg_jax import models, partition, runtime
+from fdg_jax import models, partition, runtime, staleness
 from fdg_jax.config_check import (ConfigError, UserError, create_model, validate,
                                   validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
@@ -192,15 +192,40 @@ def make_schedule(config, stages, steps_per_epoch: int):
       config.lr_schedule, config.learning_rate, steps_per_epoch=steps_per_epoch,
       num_epochs=config.num_epochs, warmup_epochs=config.warmup_epochs,
       milestones=tuple(config.lr_milestones), gamma=config.lr_gamma)
-  opt = make_optimizer(config.optimizer, lr, momentum=config.momentum,
-                       nesterov=config.nesterov, weight_decay=config.weight_decay)
+  base = make_optimizer(config.optimizer, lr, momentum=config.momentum,
+                        nesterov=config.nesterov, weight_decay=config.weight_decay)
+  hparams = staleness_hparams(config, steps_per_epoch)
+
+  def stage_optimizer(k, d):  # stage k's optimizer, given its delay d
+    del k
+    return staleness.stage_optimizer(
+        config.get("staleness", "none"), base, delay=d, learning_rate=lr,
+        momentum=config.momentum, weight_decay=config.weight_decay, hparams=hparams,
+        optimizer=config.optimizer, nesterov=config.nesterov)
+
   kwargs = choose_placement(config.num_stages, config.num_replicas,
                             config.get("engine", "auto"))
   if config.algorithm == "fdg":
     kwargs["beta"] = config.beta
   if config.algorithm != "bp":
     kwargs["backward"] = config.backward
-  return fdg_jax.create(config.algorithm, stages, loss_fn, opt, **kwargs), lr
+  kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
+  return fdg_jax.create(config.algorithm, stages, loss_fn, stage_optimizer, **kwargs), lr
+
+
+def staleness_hparams(config, steps_per_epoch: int) -> dict:
+  """The config's hyperparameters of its staleness method (`staleness.stage_optimizer`)."""
+  method = config.get("staleness", "none")
+  if method == "lr_by_delay":
+    return {"ramp_steps": int(round(config.staleness_ramp_epochs * steps_per_epoch))}
+  if method == "weight_prediction":
+    return {"horizon": None if config.staleness_horizon < 0 else config.staleness_horizon}
+  if method == "dc":
+    return {"lam": config.dc_lambda, "adaptive": config.dc_adaptive,
+            "decay": config.dc_decay, "lam0": config.dc_lambda0}
+  if method == "nesterov_delay":
+    return {"gamma": config.nesterov_gamma}
+  return {}
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -437,6 +462,10 @@ class _MetricWriter:
       for k, v in record.items():
         if k not in ("step", "epoch") and isinstance(v, (int, float)):
           self.tb.add_scalar(k, v, record["step"])
+        elif isinstance(v, list):  # per-stage values (telemetry): one scalar per stage
+          for i, x in enumerate(v):
+            if isinstance(x, (int, float)):
+              self.tb.add_scalar(f"{k}/stage_{i}", x, record["step"])
       self.tb.flush()
 
   def close(self):
@@ -463,6 +492,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         loop.train_until_next_boundary()
         if loop.at(config.log_every_steps):
           loop.log_progress()
+        if loop.telemetry_every and loop.at(loop.telemetry_every):
+          loop.measure_staleness()
         if loop.evaluation_due():
           loop.evaluate_and_record()
         loop.end_epoch_if_done()
@@ -496,6 +527,8 @@ class TrainingLoop:
     self.writer = _MetricWriter(run.workdir, self.step)
     self.pending: list = []  # metrics of `run` calls whose losses are not read yet
     self.ticks_per_call = config.get("ticks_per_call", 1)
+    self.telemetry_every = config.get("telemetry_every_steps", 0)
+    self.telemetry: dict = {}  # the staleness measured at this step, for its metrics row
     self.run_start = time.time() - self.progress["wall_time"]
     self.final: dict = {}
     self.bar = None
@@ -536,10 +569,11 @@ class TrainingLoop:
     """Ticks for the next `run` call: up to ticks_per_call, ending at the next log,
     evaluation or checkpoint step (where the loop acts between calls)."""
     c, step = self.config, self.step
-    return min(self.ticks_per_call, self.run.total_steps - step,
-               self.run.steps_per_epoch - step % self.run.steps_per_epoch,
-               c.log_every_steps - step % c.log_every_steps,
-               c.checkpoint_every_steps - step % c.checkpoint_every_steps)
+    every = [c.log_every_steps, c.checkpoint_every_steps, self.run.steps_per_epoch]
+    if self.telemetry_every:
+      every.append(self.telemetry_every)
+    return min([self.ticks_per_call, self.run.total_steps - step]
+               + [n - step % n for n in every])
 
   def next_batches(self, num_ticks: int):
     """`num_ticks` training batches in buffers of length ticks_per_call (one compiled
@@ -599,6 +633,14 @@ class TrainingLoop:
       self.bar.set_postfix(loss=p["train_loss_sum"] / p["train_count"],
                            samples_s=self._samples_per_second(time.time()))
 
+  def measure_staleness(self) -> None:
+    """Per-stage weight discrepancy and gradient cosine (`Schedule.telemetry`) at this
+    step: into this step's evaluation row, or a row of their own."""
+    self.telemetry = {"step": self.step, **self.schedule.telemetry(self.state)}
+    if not self.evaluation_due():
+      spe = self.run.steps_per_epoch
+      self.writer.write({"epoch": self.step / spe, **self.telemetry})
+
   def _samples_per_second(self, now: float) -> float:
     seconds = now - self.epoch_start_time - self.paused
     return self.config.batch_size * self.epoch_steps / max(seconds, 1e-9)
@@ -626,6 +668,8 @@ class TrainingLoop:
         "samples_per_second": self._samples_per_second(now),
         "wall_time": time.time() - self.run_start,
     }
+    if self.telemetry.get("step") == self.step:
+      record.update(self.telemetry)
     self.writer.write(record)
     self.final = record
     if self.bar is not None:
@@ -730,7 +774,11 @@ def _log(msg: str) -> None:
 
 
 _IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset",
-                    "batch_size", "seed", "split", "backward", "beta", "num_replicas")
+                    "batch_size", "seed", "split", "backward", "beta", "num_replicas",
+                    "staleness")
+
+
+_DEFAULTS = {"staleness": "none"}  # identity fields that runs of older versions lack
 
 
 def _check_or_write_config(config, workdir: str) -> None:
@@ -741,10 +789,17 @@ def _check_or_write_config(config, workdir: str) -> None:
     with open(path) as f:
       saved = json.load(f)
     for key in _IDENTITY_FIELDS:
-      if key in saved and saved[key] != current.get(key):
+      if key not in saved and key not in _DEFAULTS:
+        continue
+      if saved.get(key, _DEFAULTS.get(key)) != current.get(key, _DEFAULTS.get(key)):
         raise ConfigError(
-            f"{workdir} holds a run with {key}={saved[key]!r}, not {current.get(key)!r}; "
+            f"{workdir} holds a run with {key}={saved.get(key)!r}, not {current.get(key)!r}; "
             "use a new --workdir or the original config")
+    if bool(saved.get("telemetry_every_steps", 0)) != bool(current.get("telemetry_every_steps", 0)):
+      raise ConfigError(
+          f"{workdir} holds a run with telemetry_every_steps="
+          f"{saved.get('telemetry_every_steps', 0)}: telemetry on or off changes what a "
+          "checkpoint holds; keep it on (any N > 0) or off as the run started")
     changed = {key: [saved.get(key), current.get(key)]
                for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)}
     if changed and jax.process_index() == 0:

@@ -169,6 +169,9 @@ def test_paper_betas_are_used_by_default():
     ("lr_gamma", 0.0, "lr_gamma"),
     ("engine", "spmd", "engine"),
     ("ticks_per_call", 0, "ticks_per_call"),
+    ("staleness", "magic", "unknown staleness"),
+    ("telemetry_every_steps", -1, "telemetry_every_steps"),
+    ("nesterov_gamma", 1.0, "nesterov_gamma"),
 ])
 def test_bad_config_is_one_clear_error(field, value, needle):
   c = tiny_config(**{field: value})
@@ -390,3 +393,40 @@ def test_trainer_functions_stay_short():
   lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
   assert lengths and max(lengths.values()) <= 80, sorted(lengths.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_spike_compensation_needs_heavy_ball_sgd():
+  with pytest.raises(trainer.ConfigError, match="optimizer=sgd"):
+    trainer.validate(tiny_config(staleness="spike_compensation", optimizer="adam"))
+  with pytest.raises(trainer.ConfigError, match="momentum"):
+    trainer.validate(tiny_config(staleness="spike_compensation", momentum=0.0))
+
+
+@pytest.mark.parametrize("method", ["dc", "weight_prediction"])
+def test_staleness_method_with_telemetry_resumes_bitwise(method, tmp_path):
+  c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=2, staleness=method,
+                  telemetry_every_steps=10, momentum=0.9, learning_rate=0.02)
+  c.model_kwargs.widths = (16, 16, 16)
+  full = trainer.train_and_evaluate(c, str(tmp_path / "full"))
+  c.max_steps = 25
+  trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  c.max_steps = -1
+  resumed = trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  assert _params_equal(resumed["params"], full["params"])
+  rows = [r for r in read_metrics(tmp_path / "full") if "grad_cosine" in r]
+  assert [r["step"] for r in rows] == [10, 20, 30, 40]
+  for r in rows:
+    assert len(r["weight_discrepancy"]) == 3 and r["weight_discrepancy"][2] is None
+    assert r["grad_cosine"][2] is None
+    assert all(0 < d < 1 for d in r["weight_discrepancy"][:2])
+    assert all(-1 <= x <= 1 for x in r["grad_cosine"][:2])
+  again = [r for r in read_metrics(tmp_path / "resumed") if "grad_cosine" in r]
+  assert again == rows  # the telemetry of a resumed run is the uninterrupted run's
+  # Turning telemetry off changes what a checkpoint holds: refused in one line.
+  c.telemetry_every_steps = 0
+  with pytest.raises(trainer.ConfigError, match="telemetry"):
+    trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  from fdg_jax import plot
+  out = tmp_path / "staleness.png"
+  assert plot.main([str(tmp_path / "full"), "--telemetry", "-o", str(out)]) == 0
+  assert out.stat().st_size > 10_000
