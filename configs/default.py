@@ -47,6 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.staleness = "none"         # none | lr_by_delay | weight_prediction | spike_compensation |
                                # dc | nesterov_delay
   c.staleness_ramp_epochs = 7.0  # lr_by_delay: epochs until every stage runs at the base lr
+                               # (-1: never; stage k keeps lr / d_k for the whole run)
   c.staleness_horizon = -1.0   # weight_prediction: steps to extrapolate (-1: the delay d_k)
   c.dc_lambda = 0.04           # dc: the compensation strength lambda
   c.dc_adaptive = False        # dc: lambda_t = dc_lambda0 / sqrt(M + eps) (DC-ASGD-a)

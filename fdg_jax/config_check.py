@@ -96,17 +96,24 @@ def validate(config) -> None:
 
 
 def _validate_staleness(config) -> None:
-  from fdg_jax.staleness import METHODS
+  from fdg_jax.staleness import METHODS, parse_methods
   method = config.get("staleness", "none")
-  if method not in METHODS:
-    _fail(f"unknown staleness {method!r}; use --config.staleness={'|'.join(METHODS)}")
-  if method in ("spike_compensation", "nesterov_delay") and config.optimizer != "sgd":
-    _fail(f"staleness={method} replaces SGD's rule; use --config.optimizer=sgd")
-  if method == "spike_compensation" and (not 0.0 < config.momentum < 1.0 or config.nesterov):
+  if "+" in method:
+    try:
+      parts = parse_methods(method)
+    except ValueError as e:
+      _fail(str(e))
+  elif method not in METHODS:
+    _fail(f"unknown staleness {method!r}; use --config.staleness={'|'.join(METHODS)} "
+          "(or several joined by '+')")
+  else:
+    parts = (method,)
+  for rule in {"spike_compensation", "nesterov_delay"} & set(parts):
+    if config.optimizer != "sgd":
+      _fail(f"staleness {rule} replaces SGD's rule; use --config.optimizer=sgd")
+  if "spike_compensation" in parts and (not 0.0 < config.momentum < 1.0 or config.nesterov):
     _fail("staleness=spike_compensation compensates heavy-ball momentum: set "
           "--config.momentum in (0, 1) and --config.nesterov=False")
-  if config.get("staleness_ramp_epochs", 0.0) < 0:
-    _fail(f"staleness_ramp_epochs={config.staleness_ramp_epochs} must be >= 0")
   if not 0.0 <= config.get("nesterov_gamma", 0.99) < 1.0:
     _fail(f"nesterov_gamma={config.nesterov_gamma} must lie in [0, 1)")
   if not 0.0 <= config.get("dc_decay", 0.95) < 1.0:

@@ -26,7 +26,8 @@ Methods (SGDM is PyTorch's form, as `optax.sgd`: v <- g + m*v, theta <- theta - 
    arXiv 1910.05124). Chained AFTER the optimiser: the update is multiplied by d^(-p_t),
    p_t = 1 - min(t / T_r, 1), t = the number of updates this transform applied before (0 at the
    first). A stale stage starts at eta/d and reaches the base schedule after T_r updates. d <= 1:
-   the identity. Memory: one int32 counter. (PipeNAG's public code applies the same rule with
+   the identity. T_r = None: no ramp, the stage keeps eta/d for the whole run (a fixed
+   per-stage rate, not PipeMare's annealed one). Memory: one int32 counter. (PipeNAG's public code applies the same rule with
    t counted from 1 and T_r = 7 epochs.)
 2. `weight_prediction(inner, delay, horizon=None)`: linear weight prediction (SpecTrain, Chen et
    al. 2018, arXiv 1809.02839; LWP of Kosson et al., MLSys 2021, arXiv 2003.11666). The forward
@@ -140,14 +141,17 @@ class LrByDelayState(NamedTuple):
   count: jax.Array  # int32: updates applied so far
 
 
-def lr_by_delay(delay: int, ramp_steps: int) -> optax.GradientTransformation:
+def lr_by_delay(delay: int, ramp_steps: int | None) -> optax.GradientTransformation:
   """PipeMare: scales updates by delay^-(1 - min(t/ramp_steps, 1)); chain it AFTER the optimiser.
 
   t counts this transform's updates from 0. delay <= 1 (or ramp_steps == 0): the identity.
+  ramp_steps None: no ramp, every update scaled by 1/delay for the whole run.
   """
   d = _check_delay(delay)
+  if ramp_steps is None:
+    return optax.identity() if d <= 1 else optax.scale(1.0 / d)
   if ramp_steps < 0:
-    raise ValueError(f"ramp_steps must be >= 0, got {ramp_steps}")
+    raise ValueError(f"ramp_steps must be >= 0 (or None: no ramp), got {ramp_steps}")
   if d <= 1 or ramp_steps == 0:
     return optax.identity()
   ramp = float(ramp_steps)
@@ -370,6 +374,10 @@ def stage_optimizer(method: str, base, *, delay: int, learning_rate, momentum: f
   nesterov_delay (which keeps its rule; see the module docstring). FDG's shrink goes first:
   `chain(shrink(...), stage_optimizer(...))`.
   """
+  if "+" in method:
+    return _combination(method, base, delay=delay, learning_rate=learning_rate,
+                        momentum=momentum, weight_decay=weight_decay, hparams=hparams,
+                        optimizer=optimizer, nesterov=nesterov)
   if method not in METHODS:
     raise ValueError(f"unknown staleness method {method!r}; choose one of {METHODS}")
   hparams = dict(hparams or {})
@@ -411,3 +419,50 @@ def stage_optimizer(method: str, base, *, delay: int, learning_rate, momentum: f
     return chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else with_forward(tx)
   # dc
   return chain(delay_compensation(d, **hparams), base)
+
+
+def parse_methods(method: str) -> tuple[str, ...]:
+  """The methods of a combination "a+b+..." (ValueError: unknown, repeated or clashing)."""
+  parts = tuple(m.strip() for m in method.split("+"))
+  for m in parts:
+    if m not in METHODS or m == "none":
+      raise ValueError(f"unknown staleness method {m!r} in {method!r}; combine methods of "
+                       f"{METHODS[1:]} with '+'")
+  if len(set(parts)) != len(parts):
+    raise ValueError(f"staleness {method!r} repeats a method")
+  if {"spike_compensation", "nesterov_delay"} <= set(parts):
+    raise ValueError("spike_compensation and nesterov_delay each replace the SGD rule: "
+                     "combine at most one of them")
+  if {"dc", "weight_prediction"} <= set(parts):
+    raise ValueError("dc compensates the weights the forward ran at and weight_prediction "
+                     "moves them: combine at most one of them")
+  return parts
+
+
+def _combination(method, base, *, delay, learning_rate, momentum, weight_decay, hparams,
+                 optimizer, nesterov) -> DelayedTransformation:
+  """Several methods at once, e.g. "spike_compensation+weight_prediction".
+
+  Built inside out: the update rule (the base, or spike_compensation / nesterov_delay in its
+  place), then lr_by_delay after it and dc before it, and weight_prediction around all of
+  it (extrapolating the update the stage really applies). `hparams` holds every part's
+  settings; each part takes its own keys.
+  """
+  parts = parse_methods(method)
+  hparams = dict(hparams or {})
+  unknown = sorted(set(hparams) - {h for m in parts for h in _HPARAMS[m]})
+  if unknown:
+    raise ValueError(f"staleness {method!r} takes no hparams {unknown}")
+  own = lambda m: {h: hparams[h] for h in _HPARAMS[m] if h in hparams}
+  build = lambda m, b: stage_optimizer(m, b, delay=delay, learning_rate=learning_rate,
+                                       momentum=momentum, weight_decay=weight_decay,
+                                       hparams=own(m), optimizer=optimizer, nesterov=nesterov)
+  rule = next((m for m in parts if m in ("spike_compensation", "nesterov_delay")), None)
+  tx = build(rule, base) if rule else with_forward(base)
+  if "lr_by_delay" in parts:
+    tx = build("lr_by_delay", tx)
+  if "dc" in parts:
+    tx = build("dc", tx)
+  if "weight_prediction" in parts:
+    tx = build("weight_prediction", tx)
+  return tx

@@ -214,18 +214,20 @@ def make_schedule(config, stages, steps_per_epoch: int):
 
 
 def staleness_hparams(config, steps_per_epoch: int) -> dict:
-  """The config's hyperparameters of its staleness method (`staleness.stage_optimizer`)."""
-  method = config.get("staleness", "none")
-  if method == "lr_by_delay":
-    return {"ramp_steps": int(round(config.staleness_ramp_epochs * steps_per_epoch))}
-  if method == "weight_prediction":
-    return {"horizon": None if config.staleness_horizon < 0 else config.staleness_horizon}
-  if method == "dc":
-    return {"lam": config.dc_lambda, "adaptive": config.dc_adaptive,
-            "decay": config.dc_decay, "lam0": config.dc_lambda0}
-  if method == "nesterov_delay":
-    return {"gamma": config.nesterov_gamma}
-  return {}
+  """The hyperparameters of the config's staleness method(s) ("a+b" combines them)."""
+  parts = set(config.get("staleness", "none").split("+"))
+  out: dict = {}
+  if "lr_by_delay" in parts:
+    ramp = config.staleness_ramp_epochs
+    out["ramp_steps"] = None if ramp < 0 else int(round(ramp * steps_per_epoch))
+  if "weight_prediction" in parts:
+    out["horizon"] = None if config.staleness_horizon < 0 else config.staleness_horizon
+  if "dc" in parts:
+    out.update(lam=config.dc_lambda, adaptive=config.dc_adaptive, decay=config.dc_decay,
+               lam0=config.dc_lambda0)
+  if "nesterov_delay" in parts:
+    out["gamma"] = config.nesterov_gamma
+  return out
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -506,3 +506,60 @@ def test_stage_optimizer_errors(method, kwargs, hparams, match):
   kw.update(kwargs)
   with pytest.raises(ValueError, match=match):
     st.stage_optimizer(method, optax.sgd(LR), hparams=hparams, **kw)
+
+
+# ---------------------------------------------------------------------- combinations
+
+
+@pytest.mark.parametrize("method", ["spike_compensation+weight_prediction",
+                                    "lr_by_delay+spike_compensation", "dc+lr_by_delay"])
+def test_combination_zero_delay_is_plain_bitwise(method):
+  base = make_optimizer("sgd", LR, momentum=MOM, weight_decay=5e-4)
+  hparams = {"ramp_steps": 5, "lam": 0.5}
+  hparams = {k: v for k, v in hparams.items()
+             if any(k in st._HPARAMS[m] for m in method.split("+"))}
+  tx = st.stage_optimizer(method, base, delay=0, learning_rate=LR, momentum=MOM,
+                          weight_decay=5e-4, hparams=hparams)
+  _assert_same_runs(_drive(tx), _drive(base))
+
+
+def test_combination_is_the_composition_of_its_parts():
+  """spike_compensation+weight_prediction+lr_by_delay: the forward extrapolates the update
+  that the spike-compensated, delay-scaled rule applies, as composed by hand."""
+  d, problem = 3, _problem(4)
+  base = optax.sgd(LR, momentum=MOM)
+  combo = st.stage_optimizer("spike_compensation+weight_prediction+lr_by_delay", base,
+                             delay=d, learning_rate=LR, momentum=MOM, weight_decay=0.0,
+                             hparams={"ramp_steps": 6})
+  by_hand = st.weight_prediction(
+      st.chain(st.spike_compensation(LR, d, MOM), st.lr_by_delay(d, 6)), d)
+  got_fwd, got_traj = run_transform(combo, problem, d)
+  want_fwd, want_traj = run_transform(by_hand, problem, d)
+  np.testing.assert_array_equal(np.asarray(got_fwd), np.asarray(want_fwd))
+  np.testing.assert_array_equal(np.asarray(got_traj), np.asarray(want_traj))
+  plain_fwd, _ = run_transform(st.spike_compensation(LR, d, MOM), problem, d)
+  assert np.abs(np.asarray(got_fwd) - np.asarray(plain_fwd)).max() > 1e-4
+
+
+@pytest.mark.parametrize("method,match", [
+    ("spike_compensation+nesterov_delay", "at most one"),
+    ("dc+weight_prediction", "at most one"),
+    ("dc+dc", "repeats"),
+    ("dc+magic", "unknown"),
+])
+def test_bad_combinations_are_refused(method, match):
+  with pytest.raises(ValueError, match=match):
+    st.parse_methods(method)
+
+
+def test_lr_by_delay_without_ramp_keeps_one_over_delay():
+  d = 4
+  tx = st.lr_by_delay(d, None)
+  g = {"w": jnp.ones((3,), jnp.float32)}
+  state = tx.init(g)
+  for _ in range(5):
+    u, state = tx.update(g, state)
+    np.testing.assert_allclose(np.asarray(u["w"]), 1.0 / d, rtol=1e-7)
+  assert st.lr_by_delay(1, None) is not None
+  u, _ = st.lr_by_delay(1, None).update(g, st.lr_by_delay(1, None).init(g))
+  np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(g["w"]))
