@@ -53,16 +53,20 @@ OPTIMISERS = {
 }
 BETAS = (1.0, 0.5, 0.2)
 # Each method's hyperparameter settings searched on the validation split.
+# (staleness_ramp_epochs -1: no ramp, lr/d_k for the whole run.)
 CANDIDATES = {
-    "lr_by_delay": [{"staleness_ramp_epochs": 3.0}, {"staleness_ramp_epochs": 10.0}],
+    "lr_by_delay": [{"staleness_ramp_epochs": 3.0}, {"staleness_ramp_epochs": 10.0},
+                    {"staleness_ramp_epochs": -1.0}],
     "weight_prediction": [{}],
     "spike_compensation": [{}],
     "dc": [{"dc_lambda": 0.04}, {"dc_lambda": 1.0}, {"dc_adaptive": True}],
     "nesterov_delay": [{"nesterov_gamma": 0.9}, {"nesterov_gamma": 0.99}],
     "spike_compensation+weight_prediction": [{}],
+    "spike_compensation+lr_by_delay": [{"staleness_ramp_epochs": 10.0},
+                                       {"staleness_ramp_epochs": -1.0}],
 }
-DEFAULT_CELLS = ("mlp8:8:paper", "mlp8:8:quickstart", "mlp8:4:paper", "mlp8:4:quickstart",
-                 "cnn:4:paper", "cnn:4:quickstart")
+DEFAULT_CELLS = ("mlp8:8:paper", "mlp8:8:quickstart", "mlp8:4:paper", "cnn:4:paper",
+                 "mlp8:4:quickstart", "cnn:4:quickstart")
 
 
 # ------------------------------------------------------------------------------ runs
@@ -197,11 +201,13 @@ def test_cell(runner: Runner, cell: str, chosen: dict, seeds) -> list[dict]:
   return runner.run(tasks)
 
 
-def robustness(runner: Runner, args, chosen_beta: float) -> list[dict]:
-  """The recommended setting at other learning rates and widths (mlp8, K=8, momentum 0.9)."""
-  staleness, beta = args.recommended.split("@") if "@" in args.recommended else (
-      args.recommended, str(chosen_beta))
-  beta = float(beta)
+def robustness(runner: Runner, args, chosen: dict) -> list[dict]:
+  """The recommended method, at the setting selected in the mlp8:8:paper cell, at other
+  learning rates and widths (mlp8, K=8, momentum 0.9), next to BP and FDG with that cell's
+  selected beta."""
+  staleness = args.recommended
+  entry = chosen["methods"][staleness]
+  beta, chosen_beta = entry["beta"], chosen["beta"]
   tasks = []
   for label, extra in (("lr=0.01", {"learning_rate": 0.01}), ("lr=0.05", {"learning_rate": 0.05}),
                        ("width=256", {"model_kwargs.widths": (256,) * 7})):
@@ -210,7 +216,8 @@ def robustness(runner: Runner, args, chosen_beta: float) -> list[dict]:
       for name, fields in (("BP K=1", {"algorithm": "bp", "num_stages": 1}),
                            (method_name("none", chosen_beta), {"beta": chosen_beta}),
                            (method_name(staleness, beta), {"beta": beta,
-                                                           "staleness": staleness})):
+                                                           "staleness": staleness,
+                                                           **entry["fields"]})):
         tasks.append(_task(f"robust_{label}_{name}_s{seed}".replace(" ", "_").replace("=", ""),
                            {**base, **fields, "seed": seed}, None, part="robust",
                            setting=label, method=f"{label}: {name}"))
@@ -228,8 +235,9 @@ def main(argv=None) -> int:
                            "quickstart)")
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--val_fraction", type=float, default=0.2)
-  parser.add_argument("--recommended", default="",
-                      help="staleness[@beta] checked at other lrs and widths (empty: skip)")
+  parser.add_argument("--recommended", default="spike_compensation+lr_by_delay",
+                      help="a CANDIDATES method checked at other lrs and widths after the "
+                           "mlp8:8:paper cell, at its setting selected there (empty: skip)")
   parser.add_argument("--jobs", type=int, default=2, help="worker processes")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "staleness"))
   parser.add_argument("--out", default=str(ROOT / "docs" / "staleness.json"))
@@ -258,11 +266,11 @@ def main(argv=None) -> int:
       result["cells"][cell] = {"chosen": chosen, "summary": summary}
       print(f"\n{cell}:\n" + markdown_table(summary, bp) + "\n", flush=True)
       _save(args.out, result, runner, started)
-    if args.recommended:
-      beta = result["cells"].get("mlp8:8:paper", {}).get("chosen", {}).get("beta", 0.5)
-      runs = robustness(runner, args, beta)
-      result["robustness"] = summarize(runs, lambda r: r["method"])
-      print("\nrobustness:\n" + markdown_table(result["robustness"], None), flush=True)
+      if cell == "mlp8:8:paper" and args.recommended:
+        runs = robustness(runner, args, chosen)
+        result["robustness"] = summarize(runs, lambda r: r["method"])
+        print("\nrobustness:\n" + markdown_table(result["robustness"], None), flush=True)
+        _save(args.out, result, runner, started)
   finally:
     runner.close()
     _save(args.out, result, runner, started)
