@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from typing import Any, Callable, Sequence
 
 import jax
@@ -83,6 +84,125 @@ class Stage:
       return y, model_state
 
     return cls(apply=apply, init=init, name=name or type(module).__name__)
+
+  @classmethod
+  def from_nnx(cls, module_or_modules, name: str | None = None, *, first_block: int = 0):
+    """Adapts a Flax NNX module, or a list of them applied in order (blocks), to a stage.
+
+    The module is `nnx.split` once, here; `apply` merges a fresh copy from the graph definition
+    and the given pytrees on every call, so no call mutates the module passed in and `apply`
+    is pure (safe under `jax.jit`, `jax.vjp`, `jax.grad` w.r.t. params and x).
+
+    - params: the `nnx.Param` variables as a nested dict of arrays (`nnx.to_pure_dict`).
+      A single module gives its own dict; a list gives `{"block_i": dict}` with i the block's
+      global index `first_block + position` (blocks without parameters are left out), like
+      the `block_i` names of the Linen stages of `fdg_jax.partition`.
+    - model_state: every other variable (e.g. BatchNorm's `nnx.BatchStat`), in the same
+      layout; `{}` if none. A training forward returns the updated one, an eval forward the
+      one it was given. RNG streams (`nnx.RngState`) are in neither: their construction-time
+      value is a constant of the stage. Sown `nnx.Intermediate`s are discarded.
+    - train: the merged copy is put in `module.train()` / `module.eval()` mode (Dropout's
+      `deterministic`, BatchNorm's `use_running_average`, ...).
+    - rng: dropout keys come from it. A single module has all its RNG streams reseeded
+      (`nnx.reseed`) with `rng`; in a list, block i's streams are reseeded with
+      `jax.random.fold_in(rng, i)` (global i), so applying every stage of an `nnx_stages`
+      split with the same `rng` draws exactly the masks of the unsplit block list. Same rng,
+      same masks. With `rng=None` the streams keep their construction-time keys (the same
+      masks on every call). Stochastic layers must hold their streams (`nnx.Dropout(...,
+      rngs=rngs)`).
+    - init(rng, x): NNX modules are initialised when constructed (they take `rngs` then), so
+      `init` ignores `rng` and `x` and returns copies of the module's params and model state
+      as they were when this stage was made. To re-initialise, construct the module again.
+
+    Blocks of a list must not share variables. Plain callables (e.g. `jax.nn.relu`) may be
+    list entries: they are applied as they are and own no variables.
+    """
+    from flax import nnx
+
+    single = not isinstance(module_or_modules, (list, tuple))
+    modules = [module_or_modules] if single else list(module_or_modules)
+    if single and not isinstance(module_or_modules, nnx.Module):
+      raise TypeError(f"from_nnx needs an nnx.Module or a list of them, got "
+                      f"{type(module_or_modules).__name__}")
+    filters = (nnx.Param, nnx.RngState, nnx.Intermediate, ...)
+
+    blocks = []  # (key, graphdef | callable, rng_state, intermediates, tags, params, state)
+    for j, m in enumerate(modules):
+      key = None if single else f"block_{first_block + j}"
+      if not isinstance(m, nnx.Module):
+        if not callable(m):
+          raise TypeError(f"block {first_block + j} is neither an nnx.Module nor callable: "
+                          f"{type(m).__name__}")
+        blocks.append((key, m, None, None, (), {}, {}))
+        continue
+      graphdef, params, rngs, inter, rest = nnx.split(m, *filters)
+      tags = sorted({v.tag for _, v in nnx.to_flat_state(rngs)
+                     if isinstance(v, nnx.RngKey)})
+      # Pure dicts, so that every merge builds fresh Variables (merging a State reuses its
+      # Variable objects, and reseeding would then mutate this stage's constants).
+      blocks.append((key, graphdef, nnx.to_pure_dict(rngs), nnx.to_pure_dict(inter),
+                     tuple(tags), nnx.to_pure_dict(params), nnx.to_pure_dict(rest)))
+
+    def gather(i):
+      if single:
+        return blocks[0][i]
+      return {b[0]: b[i] for b in blocks if jax.tree.leaves(b[i])}
+
+    def init(rng, x):
+      del rng, x
+      copy = lambda t: jax.tree.map(lambda a: jax.numpy.array(a, copy=True), t)
+      return copy(gather(5)), copy(gather(6))
+
+    def apply(params, model_state, x, *, train=True, rng=None):
+      new_state = {}
+      for j, (key, graphdef, rngs, inter, tags, _, _) in enumerate(blocks):
+        if rngs is None:  # a plain callable
+          x = graphdef(x)
+          continue
+        p = params if single else params.get(key, {})
+        ms = model_state if single else model_state.get(key, {})
+        block = nnx.merge(graphdef, p, rngs, inter, ms)
+        if train:
+          block.train()
+        else:
+          block.eval()
+        if rng is not None and tags:
+          block_rng = rng if single else jax.random.fold_in(rng, first_block + j)
+          nnx.reseed(block, **{t: block_rng for t in tags})
+        x = block(x)
+        if train:
+          rest = nnx.to_pure_dict(nnx.split(block, *filters)[-1])
+          if single:
+            new_state = rest
+          elif jax.tree.leaves(rest):
+            new_state[key] = rest
+      return x, (new_state if train else model_state)
+
+    if name is None:
+      if single:
+        name = type(module_or_modules).__name__
+      else:
+        name = f"nnx[{first_block}:{first_block + len(modules)}]"
+    return cls(apply=apply, init=init, name=name)
+
+
+def nnx_stages(blocks: Sequence[Any], boundaries, *, name: str = "nnx") -> list[Stage]:
+  """Splits a list of NNX blocks (applied in order) into K stages of contiguous blocks.
+
+  `boundaries` is either K-1 strictly increasing block indices (stage k runs blocks
+  [b_k, b_{k+1}), as in `fdg_jax.partition`) or an int K (`partition.uniform_boundaries`).
+  Stage k is `Stage.from_nnx(blocks[a:b], first_block=a)`, named "<name>[a:b]": its params
+  are `{"block_i": ...}` with global block indices, and block i's dropout key is
+  `fold_in(stage_rng, i)` (see `Stage.from_nnx`).
+  """
+  from fdg_jax import partition  # partition imports this module
+
+  blocks = list(blocks)
+  if isinstance(boundaries, numbers.Integral):
+    boundaries = partition.uniform_boundaries(len(blocks), boundaries)
+  bounds = partition.check_boundaries(boundaries, len(boundaries) + 1, len(blocks))
+  return [Stage.from_nnx(blocks[a:b], name=f"{name}[{a}:{b}]", first_block=a)
+          for a, b in partition.stage_ranges(bounds, len(blocks))]
 
 
 def training_vjp(stage: Stage, params, model_state, x, rng):
