@@ -32,6 +32,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.dataset = "digits"
   c.data_dir = ""              # TFDS data_dir ("" = TFDS default)
   # Optimisation.
+  c.dtype = "float32"          # float32 | bfloat16 (bf16 compute, activations and stash;
+                               # float32 master weights, optimizer state and loss)
   c.batch_size = 32
   c.num_epochs = 30
   c.optimizer = "sgd"          # sgd | adam

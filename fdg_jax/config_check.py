@@ -65,6 +65,9 @@ def validate_fields(config) -> None:
   if config.warmup_epochs < 0 or config.warmup_epochs > config.num_epochs:
     _fail(f"warmup_epochs={config.warmup_epochs} must lie in [0, num_epochs]")
   _validate_staleness(config)
+  if config.get("dtype", "float32") not in ("float32", "bfloat16"):
+    _fail(f"unknown dtype {config.dtype!r}; use --config.dtype=float32|bfloat16 (bfloat16: "
+          "compute and activations in bf16, float32 weights and optimizer state)")
   if config.get("engine", "auto") not in ("auto", "fused", "per_stage"):
     _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage")
   for key in ("checkpoint_every_steps", "eval_every_epochs", "log_every_steps",

@@ -651,7 +651,8 @@ class Schedule:
       self._cot_shardings[k] = P.message_shardings(k, a_spec)
       s = self._core_spec(k)
       has_conv = has_conv or has_convolution(
-          lambda p, ms, a, st=self.stages[k]: st.apply(p, ms, a, train=True),
+          lambda p, ms, a, st=self.stages[k]: st.apply(p, ms, a, train=True,
+                                                       rng=jax.random.PRNGKey(0)),
           s["params"], s["model_state"], a_spec)
       if k == K - 1:
         break

@@ -1,6 +1,7 @@
 """Per-stage summary of a split: blocks, parameters, FLOPs, activations, stash memory, balance.
 
     python -m fdg_jax.summary --model resnet110 --num-stages 4 --split balanced [--json]
+    python -m fdg_jax.summary --model gpt --num-stages 2 --model-kwargs '{"depth": 4}'
 
 FLOPs and activation bytes are per sample; stash bytes are for one batch of --batch-size (the
 residuals include the stage's weights, so they are not proportional to the batch size). Nothing
@@ -138,12 +139,21 @@ def main(argv=None) -> int:
                  help="blend of normalised FDG stash memory into the balanced cost, in [0, 1]")
   p.add_argument("--batch-size", type=int, default=1,
                  help="batch for the stash bytes and the costs (FLOPs are per sample)")
-  p.add_argument("--num-classes", type=int, default=10)
+  p.add_argument("--num-classes", type=int, default=None,
+                 help="head width (gpt: vocabulary size); default: the model's (10; gpt 256)")
+  p.add_argument("--model-kwargs", default="{}",
+                 help='model options as JSON, e.g. \'{"depth": 4, "dim": 128}\'')
   p.add_argument("--json", action="store_true", help="print JSON instead of a table")
   try:
     args = p.parse_args(argv)
     how = _parse_split(args.split)
-    model = models.create(args.model, num_classes=args.num_classes)
+    try:
+      model_kwargs = json.loads(args.model_kwargs)
+    except json.JSONDecodeError as e:
+      raise _UsageError(f"--model-kwargs is not JSON: {e}") from None
+    if not isinstance(model_kwargs, dict):
+      raise _UsageError("--model-kwargs must be a JSON object")
+    model = models.create(args.model, num_classes=args.num_classes, **model_kwargs)
     s = summarize(model, args.num_stages, how, batch_size=args.batch_size, cost=args.cost,
                   memory_weight=args.memory_weight)
   except (_UsageError, ValueError) as e:

@@ -30,7 +30,7 @@ import optax
 
 import fdg_jax
 from fdg_jax import data as data_lib
-from fdg_jax import models, partition, runtime, staleness
+from fdg_jax import models, partition, precision, runtime, staleness
 from fdg_jax.config_check import (ConfigError, UserError, create_model, validate,
                                   validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
@@ -166,6 +166,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                 example_input=x1)
   stages = partition.stages_from_boundaries(model, bounds)
   params, model_states = fdg_jax.init_stages(stages, jax.random.PRNGKey(config.seed), x1)
+  compute_dtype = precision.DTYPES[config.get("dtype", "float32")]
+  stages = [precision.mixed_precision(s, compute_dtype) for s in stages]
   schedule, lr = make_schedule(config, stages, steps_per_epoch)
   rows = _local_rows(schedule, config.batch_size)
   example = (np.zeros((rows,) + tuple(train_ds.image_shape), np.float32),
@@ -210,7 +212,9 @@ def make_schedule(config, stages, steps_per_epoch: int):
   if config.algorithm != "bp":
     kwargs["backward"] = config.backward
   kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
-  return fdg_jax.create(config.algorithm, stages, loss_fn, stage_optimizer, **kwargs), lr
+  loss = loss_fn if config.get("dtype", "float32") == "float32" else precision.float32_loss(
+      loss_fn)
+  return fdg_jax.create(config.algorithm, stages, loss, stage_optimizer, **kwargs), lr
 
 
 def staleness_hparams(config, steps_per_epoch: int) -> dict:
@@ -777,10 +781,10 @@ def _log(msg: str) -> None:
 
 _IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset",
                     "batch_size", "seed", "split", "backward", "beta", "num_replicas",
-                    "staleness")
+                    "staleness", "dtype")
 
 
-_DEFAULTS = {"staleness": "none"}  # identity fields that runs of older versions lack
+_DEFAULTS = {"staleness": "none", "dtype": "float32"}  # identity fields that runs of older versions lack
 
 
 def _check_or_write_config(config, workdir: str) -> None:

@@ -39,7 +39,8 @@ class Model:
     paper_splits: num_stages -> boundaries (block indices where stages 1..K-1 start) used by the
       FDG reference code, where known.
     input_shape: shape of one example (no batch axis), e.g. (32, 32, 3).
-    num_classes: output width of the head.
+    num_classes: output width of the head (the vocabulary size of a language model).
+    input_dtype: dtype of the inputs: "float32" (images, features) or "int32" (tokens).
   """
 
   name: str
@@ -48,6 +49,7 @@ class Model:
   paper_splits: dict = dataclasses.field(default_factory=dict)
   input_shape: tuple = (32, 32, 3)
   num_classes: int = 10
+  input_dtype: str = "float32"
 
   @property
   def num_blocks(self) -> int:
@@ -58,6 +60,8 @@ class Model:
     stop = self.num_blocks if stop is None else stop
     return BlockRange(blocks=tuple(self.blocks[start:stop]), start=start)
 
-  def example_input(self, batch_size: int = 1, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
-    """A shape-only input of `batch_size` examples (for init, eval_shape and cost analysis)."""
-    return jax.ShapeDtypeStruct((batch_size, *self.input_shape), dtype)
+  def example_input(self, batch_size: int = 1, dtype=None) -> jax.ShapeDtypeStruct:
+    """A shape-only input of `batch_size` examples (for init, eval_shape and cost analysis);
+    its dtype is `input_dtype` unless `dtype` is given."""
+    dtype = self.input_dtype if dtype is None else dtype
+    return jax.ShapeDtypeStruct((batch_size, *self.input_shape), jnp.dtype(dtype))
