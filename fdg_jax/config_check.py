@@ -5,6 +5,9 @@ from __future__ import annotations
 from fdg_jax.schedules import ALGORITHMS, BACKWARD_POLICIES
 
 
+TEXT_DATASET = "stdlib_text"  # byte-level corpus of the Python standard library (offline)
+
+
 class UserError(Exception):
   """An error caused by the user's input; its message is one line, shown without traceback."""
 
@@ -38,8 +41,11 @@ def validate_fields(config) -> None:
     _fail(f"unknown backward {config.backward!r}; use --config.backward=stash|recompute")
   if not isinstance(config.beta, (int, float)) or not 0.0 < config.beta <= 1.0:
     _fail(f"beta={config.beta} must lie in (0, 1]; 1 disables gradient shrinking")
-  if config.dataset not in data.list_datasets():
-    _fail(f"unknown dataset {config.dataset!r}; known: {', '.join(data.list_datasets())}")
+  if config.dataset not in data.list_datasets() and config.dataset != TEXT_DATASET:
+    _fail(f"unknown dataset {config.dataset!r}; known: "
+          f"{', '.join(data.list_datasets() + [TEXT_DATASET])}")
+  if config.dataset == TEXT_DATASET and config.get("seq_len", 0) < 2:
+    _fail("the text dataset needs --config.seq_len >= 2 (tokens per window)")
   if not isinstance(config.num_stages, int) or config.num_stages < 1:
     _fail(f"num_stages={config.num_stages} must be a positive integer")
   if config.num_replicas < 1:
@@ -129,11 +135,20 @@ def _validate_staleness(config) -> None:
           "--config.telemetry_every_steps=0")
 
 
+def num_classes(dataset: str) -> int:
+  """Classes of an image dataset, or the vocabulary of the text dataset (bytes)."""
+  from fdg_jax import data
+  if dataset == TEXT_DATASET:
+    from fdg_jax.data import text
+    return text.VOCAB_SIZE
+  return data.get_spec(dataset).num_classes
+
+
 def create_model(config):
   """The config's model (ConfigError, one line, when its name or arguments are wrong)."""
-  from fdg_jax import data, models
+  from fdg_jax import models
   try:
-    return models.create(config.model, num_classes=data.get_spec(config.dataset).num_classes,
+    return models.create(config.model, num_classes=num_classes(config.dataset),
                          **dict(config.get("model_kwargs", {}) or {}))
   except ValueError as e:
     _fail(str(e).splitlines()[0])

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,8 @@ import optax
 import fdg_jax
 from fdg_jax import data as data_lib
 from fdg_jax import models, partition, precision, runtime, staleness
-from fdg_jax.config_check import (ConfigError, UserError, create_model, validate,
-                                  validate_fields, validate_model)
+from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
+                                  validate, validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -118,18 +118,14 @@ class Run:
   stages: list
   schedule: fdg_jax.Schedule
   learning_rate: optax.Schedule
-  train_iter: data_lib.BatchIterator
-  test_ds: data_lib.Dataset
+  train_iter: Any  # data_lib.BatchIterator, or text.TextIterator for the text dataset
+  test_iter: Callable[[], Any]  # a fresh pass over the test (validation) split
+  batch_keys: tuple[str, str]  # the inputs' and the labels' keys in a batch
   steps_per_epoch: int
   total_steps: int
   example: tuple[np.ndarray, np.ndarray]
   params: list | None
   model_states: list | None
-
-  def test_iter(self) -> data_lib.BatchIterator:
-    """One pass over the test split (every example once, padded rows masked)."""
-    return data_lib.BatchIterator(self.test_ds, self.config.eval_batch_size, train=False,
-                                  seed=0, drop_remainder=False, **_process())
 
 
 def _process() -> dict:
@@ -148,20 +144,13 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   model = create_model(config)
   validate_model(config, model)
 
-  data_dir = config.data_dir or None
-  train_ds = data_lib.load(config.dataset, "train", data_dir)
-  test_ds = data_lib.load(config.dataset, "test", data_dir)
-  if config.batch_size > train_ds.num_examples:
-    raise ConfigError(f"batch_size={config.batch_size} exceeds the {train_ds.num_examples} "
-                      f"training examples of {config.dataset}; lower --config.batch_size")
-  train_iter = data_lib.BatchIterator(train_ds, config.batch_size, train=True,
-                                      seed=config.seed, drop_remainder=True, **_process())
+  train_iter, test_iter, shape, dtype, keys = _data(config)
   steps_per_epoch = train_iter.steps_per_epoch
   total_steps = config.num_epochs * steps_per_epoch
   if config.max_steps > 0:
     total_steps = min(total_steps, config.max_steps)
 
-  x1 = jnp.zeros((1,) + tuple(train_ds.image_shape), jnp.float32)
+  x1 = jnp.zeros((1,) + shape, dtype)
   bounds = partition.boundaries(model, config.num_stages, partition.parse_split(config.split),
                                 example_input=x1)
   stages = partition.stages_from_boundaries(model, bounds)
@@ -170,12 +159,39 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   stages = [precision.mixed_precision(s, compute_dtype) for s in stages]
   schedule, lr = make_schedule(config, stages, steps_per_epoch)
   rows = _local_rows(schedule, config.batch_size)
-  example = (np.zeros((rows,) + tuple(train_ds.image_shape), np.float32),
-             np.zeros((rows,), np.int32))
+  label_shape = shape if config.dataset == TEXT_DATASET else ()
+  example = (np.zeros((rows,) + shape, dtype), np.zeros((rows,) + label_shape, np.int32))
   return Run(config=config, workdir=workdir, model=model, boundaries=tuple(bounds),
              stages=stages, schedule=schedule, learning_rate=lr, train_iter=train_iter,
-             test_ds=test_ds, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-             example=example, params=params, model_states=model_states)
+             test_iter=test_iter, batch_keys=keys, steps_per_epoch=steps_per_epoch,
+             total_steps=total_steps, example=example, params=params,
+             model_states=model_states)
+
+
+def _data(config):
+  """(training iterator, test iterator factory, input shape, input dtype, batch keys)."""
+  process = _process()
+  if config.dataset == TEXT_DATASET:
+    from fdg_jax.data import text
+    kwargs = dict(seq_len=config.seq_len, max_bytes=config.get("text_max_bytes", 0) or None)
+    train_ds, test_ds = text.load_text("train", **kwargs), text.load_text("validation", **kwargs)
+    make = lambda ds, bs, train: text.TextIterator(ds, bs, train=train, seed=config.seed,
+                                                   **process)
+    shape, dtype, keys = (config.seq_len,), np.int32, ("tokens", "targets")
+    sizes = (train_ds.num_windows, "windows")
+  else:
+    data_dir = config.data_dir or None
+    train_ds = data_lib.load(config.dataset, "train", data_dir)
+    test_ds = data_lib.load(config.dataset, "test", data_dir)
+    make = lambda ds, bs, train: data_lib.BatchIterator(
+        ds, bs, train=train, seed=config.seed if train else 0, drop_remainder=train, **process)
+    shape, dtype, keys = tuple(train_ds.image_shape), np.float32, ("image", "label")
+    sizes = (train_ds.num_examples, "training examples")
+  if config.batch_size > sizes[0]:
+    raise ConfigError(f"batch_size={config.batch_size} exceeds the {sizes[0]} {sizes[1]} of "
+                      f"{config.dataset}; lower --config.batch_size")
+  test_iter = lambda: make(test_ds, config.eval_batch_size, False)
+  return make(train_ds, config.batch_size, True), test_iter, shape, dtype, keys
 
 
 def _local_rows(schedule, batch_size: int) -> int:
@@ -317,29 +333,39 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------------------------ evaluation
-def evaluate(schedule, state, iterator) -> dict:
+def evaluate(schedule, state, iterator, keys=("image", "label")) -> dict:
   """Eval-mode loss and accuracy over one pass of `iterator` (padded rows masked out).
 
+  Labels may carry extra axes (a language model's [B, T] targets): every position counts,
+  and the loss is the mean per position (tokens), with `test_perplexity` = exp(loss).
   With several processes each feeds its rows of every batch; logits, labels and masks are
   gathered so that every process computes the metrics of the whole test set.
   """
   total_loss = correct = count = 0.0
+  per_token = False
   for batch in iterator:
-    logits = schedule.evaluate(state, batch["image"])
-    labels = batch["label"]
+    logits = schedule.evaluate(state, batch[keys[0]])
+    labels = batch[keys[1]]
     mask = batch.get("mask", np.ones(len(labels), np.float32))
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
       logits, labels, mask = multihost_utils.process_allgather((logits, labels, mask),
                                                                tiled=True)
-    logits = np.asarray(logits, np.float64)
-    mask = np.asarray(mask, np.float64)
+    labels = np.asarray(labels)
+    per_token = labels.ndim > 1
+    mask = np.broadcast_to(np.asarray(mask, np.float64).reshape(
+        (-1,) + (1,) * (labels.ndim - 1)), labels.shape).reshape(-1)
+    logits = np.asarray(logits, np.float64).reshape(labels.size, -1)
+    labels = labels.reshape(-1)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - logits[np.arange(len(labels)), labels]
     total_loss += float((nll * mask).sum())
     correct += float(((logits.argmax(-1) == labels) * mask).sum())
     count += float(mask.sum())
-  return {"test_loss": total_loss / max(count, 1), "test_accuracy": correct / max(count, 1)}
+  out = {"test_loss": total_loss / max(count, 1), "test_accuracy": correct / max(count, 1)}
+  if per_token:
+    out["test_perplexity"] = float(np.exp(out["test_loss"]))
+  return out
 
 
 def host_copy(tree):
@@ -590,7 +616,7 @@ class TrainingLoop:
     ys = np.zeros((self.ticks_per_call,) + y.shape, y.dtype)
     for i in range(num_ticks):
       row = next(self.run.train_iter)
-      xs[i], ys[i] = row["image"], row["label"]
+      xs[i], ys[i] = row[self.run.batch_keys[0]], row[self.run.batch_keys[1]]
     return xs, ys
 
   def train_until_next_boundary(self) -> None:
@@ -669,7 +695,7 @@ class TrainingLoop:
         "step": self.step,
         "train_loss": _mean(p["train_loss_sum"], p["train_count"]),
         "train_accuracy": _mean(p["train_acc_sum"], p["train_count"]),
-        **evaluate(self.schedule, self.state, self.run.test_iter()),
+        **evaluate(self.schedule, self.state, self.run.test_iter(), self.run.batch_keys),
         "learning_rate": float(self.run.learning_rate(self.step)),
         "samples_per_second": self._samples_per_second(now),
         "wall_time": time.time() - self.run_start,
@@ -739,8 +765,8 @@ class TrainingLoop:
   def result(self) -> dict:
     """The last evaluation (made now if the loop made none), steps, wall time, params."""
     if not self.final:
-      self.final = {"step": self.step,
-                    **evaluate(self.schedule, self.state, self.run.test_iter())}
+      self.final = {"step": self.step, **evaluate(self.schedule, self.state,
+                                                  self.run.test_iter(), self.run.batch_keys)}
     wall = time.time() - self.run_start
     if jax.process_index() == 0:
       _log(f"done: {_run_label(self.config)}, {self.step} steps, final test accuracy "

@@ -133,6 +133,7 @@ def test_engines_and_ticks_per_call_train_alike(tmp_path):
     ("cifar10.py", "model=resnet110,k=4,algorithm=ddg"),
     ("cifar10.py", "model=wrn28_10,k=2,algorithm=fdg"),
     ("cifar10.py", "model=resnet20,k=2,algorithm=bp,runlocal=1"),
+    ("lm.py", None),
     ("cifar10.py", "model=resnet18,k=3,split=balanced"),
     ("cifar100.py", "model=resnet110,k=2,algorithm=fdg"),
     ("cifar100.py", "model=resnet18,k=2,algorithm=ddg"),
@@ -144,7 +145,7 @@ def test_config_files_load_and_validate(name, arg):
 
 def test_every_config_file_is_covered():
   files = {p.name for p in (ROOT / "configs").glob("*.py")}
-  assert files == {"default.py", "cifar10.py", "cifar100.py"}
+  assert files == {"default.py", "cifar10.py", "cifar100.py", "lm.py"}
 
 
 def test_paper_betas_are_used_by_default():
@@ -444,3 +445,27 @@ def test_bfloat16_run_tracks_float32(tmp_path):
   assert runs["bfloat16"]["test_accuracy"] > 0.5
   assert abs(runs["bfloat16"]["test_accuracy"] - runs["float32"]["test_accuracy"]) < 0.1
   assert not _params_equal(runs["bfloat16"]["params"], runs["float32"]["params"])
+
+
+def test_language_model_trains_on_the_offline_corpus(tmp_path):
+  c = load_config("lm.py")
+  c.model_kwargs = {"seq_len": 16, "dim": 32, "depth": 2, "num_heads": 2}
+  c.seq_len, c.text_max_bytes = 16, 20_000
+  c.num_stages, c.batch_size, c.eval_batch_size = 3, 16, 64
+  c.num_epochs, c.max_steps, c.progress_bar = 1, 30, False
+  c.learning_rate = 3e-3
+  result = trainer.train_and_evaluate(c, str(tmp_path))
+  (record,) = read_metrics(tmp_path)
+  assert record["step"] == 30 and np.isfinite(record["test_loss"])
+  assert record["test_perplexity"] == pytest.approx(np.exp(record["test_loss"]))
+  assert record["test_loss"] < np.log(256)  # better than uniform over bytes
+  assert result["params"][0]["block_0"]["tokens"]["embedding"].shape == (256, 32)
+
+
+def test_vit_trains_on_digits(tmp_path):
+  c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=1, model="vit", optimizer="adam",
+                  learning_rate=1e-3, momentum=0.0, max_steps=12)
+  c.model_kwargs = {"input_shape": (8, 8, 1), "patch_size": 2, "dim": 16, "depth": 2,
+                    "num_heads": 2}
+  result = trainer.train_and_evaluate(c, str(tmp_path))
+  assert result["steps"] == 12 and np.isfinite(result["test_loss"])
