@@ -50,6 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                # dc | nesterov_delay
   c.staleness_ramp_epochs = 7.0  # lr_by_delay: epochs until every stage runs at the base lr
                                # (-1: never; stage k keeps lr / d_k for the whole run)
+  c.staleness_lr_power = 1.0   # lr_by_delay: lr * d_k^-power at the start (PipeMare: 1)
   c.staleness_horizon = -1.0   # weight_prediction: steps to extrapolate (-1: the delay d_k)
   c.dc_lambda = 0.04           # dc: the compensation strength lambda
   c.dc_adaptive = False        # dc: lambda_t = dc_lambda0 / sqrt(M + eps) (DC-ASGD-a)

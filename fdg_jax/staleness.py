@@ -141,15 +141,22 @@ class LrByDelayState(NamedTuple):
   count: jax.Array  # int32: updates applied so far
 
 
-def lr_by_delay(delay: int, ramp_steps: int | None) -> optax.GradientTransformation:
-  """PipeMare: scales updates by delay^-(1 - min(t/ramp_steps, 1)); chain it AFTER the optimiser.
+def lr_by_delay(delay: int, ramp_steps: int | None,
+                power: float = 1.0) -> optax.GradientTransformation:
+  """PipeMare: scales updates by delay^-(power * (1 - min(t/ramp_steps, 1))); chain it AFTER
+  the optimiser.
 
-  t counts this transform's updates from 0. delay <= 1 (or ramp_steps == 0): the identity.
-  ramp_steps None: no ramp, every update scaled by 1/delay for the whole run.
+  t counts this transform's updates from 0. delay <= 1 (or ramp_steps == 0, or power == 0):
+  the identity. ramp_steps None: no ramp, every update scaled by delay^-power for the whole
+  run. PipeMare's rule is power = 1.
   """
   d = _check_delay(delay)
+  if power < 0:
+    raise ValueError(f"power must be >= 0, got {power}")
+  if power == 0:
+    return optax.identity()
   if ramp_steps is None:
-    return optax.identity() if d <= 1 else optax.scale(1.0 / d)
+    return optax.identity() if d <= 1 else optax.scale(float(d) ** -power)
   if ramp_steps < 0:
     raise ValueError(f"ramp_steps must be >= 0 (or None: no ramp), got {ramp_steps}")
   if d <= 1 or ramp_steps == 0:
@@ -162,7 +169,7 @@ def lr_by_delay(delay: int, ramp_steps: int | None) -> optax.GradientTransformat
 
   def update_fn(updates, state, params=None):
     del params
-    p = 1.0 - jnp.minimum(state.count.astype(jnp.float32) / ramp, 1.0)
+    p = power * (1.0 - jnp.minimum(state.count.astype(jnp.float32) / ramp, 1.0))
     factor = jnp.power(jnp.float32(d), -p)
     updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
     return updates, LrByDelayState(count=optax.safe_int32_increment(state.count))
@@ -344,7 +351,7 @@ def nesterov_delay(learning_rate, delay: int, momentum: float = 0.99) -> Delayed
 
 _HPARAMS = {
     "none": (),
-    "lr_by_delay": ("ramp_steps",),
+    "lr_by_delay": ("ramp_steps", "power"),
     "weight_prediction": ("horizon",),
     "spike_compensation": (),
     "dc": ("lam", "adaptive", "decay", "lam0", "eps"),
@@ -411,7 +418,7 @@ def stage_optimizer(method: str, base, *, delay: int, learning_rate, momentum: f
   if method == "none" or d == 0:
     return with_forward(base)
   if method == "lr_by_delay":
-    return chain(base, lr_by_delay(d, hparams["ramp_steps"]))
+    return chain(base, lr_by_delay(d, hparams["ramp_steps"], hparams.get("power", 1.0)))
   if method == "weight_prediction":
     return weight_prediction(base, d, horizon=hparams.get("horizon"))
   if method == "spike_compensation":

@@ -240,6 +240,7 @@ def staleness_hparams(config, steps_per_epoch: int) -> dict:
   if "lr_by_delay" in parts:
     ramp = config.staleness_ramp_epochs
     out["ramp_steps"] = None if ramp < 0 else int(round(ramp * steps_per_epoch))
+    out["power"] = config.get("staleness_lr_power", 1.0)
   if "weight_prediction" in parts:
     out["horizon"] = None if config.staleness_horizon < 0 else config.staleness_horizon
   if "dc" in parts:

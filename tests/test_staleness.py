@@ -563,3 +563,16 @@ def test_lr_by_delay_without_ramp_keeps_one_over_delay():
   assert st.lr_by_delay(1, None) is not None
   u, _ = st.lr_by_delay(1, None).update(g, st.lr_by_delay(1, None).init(g))
   np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(g["w"]))
+
+
+def test_lr_by_delay_power():
+  g = {"w": jnp.ones((2,), jnp.float32)}
+  tx = st.lr_by_delay(9, None, power=0.5)
+  u, _ = tx.update(g, tx.init(g))
+  np.testing.assert_allclose(np.asarray(u["w"]), 1.0 / 3.0, rtol=1e-6)
+  ramp = st.lr_by_delay(9, 4, power=0.5)
+  state = ramp.init(g)
+  for t in range(6):
+    u, state = ramp.update(g, state)
+    np.testing.assert_allclose(np.asarray(u["w"]), 9.0 ** (-0.5 * (1 - min(t / 4, 1))),
+                               rtol=1e-6)

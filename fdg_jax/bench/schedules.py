@@ -110,13 +110,20 @@ def build_stages(model, num_stages: int, split, batch_size: int):
   stages = partition.stages_from_boundaries(model, bounds)
   x1 = jnp.zeros((1,) + tuple(model.input_shape), jnp.float32)
   params, states = fdg_jax.init_stages(stages, _jax().random.PRNGKey(0), x1)
+  from fdg_jax import precision
+  stages = [precision.mixed_precision(s, precision.DTYPES[COMPUTE_DTYPE]) for s in stages]
   return bounds, stages, params, states
 
 
+# --dtype: the stages compute in it (float32 master weights; `fdg_jax.precision`).
+COMPUTE_DTYPE = "float32"
+
+
 def loss_fn(logits, labels):
-  """The trainer's loss (imported lazily: this module keeps its CLI start-up light)."""
+  """The trainer's loss, in float32 (imported lazily: this module keeps its CLI start-up
+  light)."""
   from fdg_jax.trainer import loss_fn as trainer_loss
-  return trainer_loss(logits, labels)
+  return trainer_loss(logits.astype("float32"), labels)
 
 
 def optimizer():
@@ -779,6 +786,8 @@ def parse_args(argv=None):
   parser.add_argument("--link_latency_us", type=float, default=10.0)
   parser.add_argument("--num_cpu_devices", type=int, default=4,
                       help="XLA:CPU devices to force (ignored on GPU/TPU)")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="compute dtype of the stages (float32 master weights)")
   parser.add_argument("--out", default=None,
                       help="JSON file (default bench_<command>_<platform>.json)")
   args = parser.parse_args(argv)
@@ -795,11 +804,14 @@ def run(args) -> dict:
   with contextlib.suppress(Exception):
     _jax().config.update("jax_num_cpu_devices", int(args.num_cpu_devices))
   info = device_info()
+  global COMPUTE_DTYPE
+  COMPUTE_DTYPE = args.dtype
   model = build_model(args.model, args.model_kwargs, args.input_shape)
   result: dict[str, Any] = {
       "meta": {**info, "command": args.command, "model": model.name,
                "model_kwargs": args.model_kwargs, "input_shape": list(model.input_shape),
                "batch_size": args.batch_size, "stages": args.stages, "split": args.split,
+               "dtype": args.dtype,
                "ticks": args.ticks, "repeats": args.repeats,
                "time": time.strftime("%Y-%m-%d %H:%M:%S")}}
   tables = []
