@@ -31,6 +31,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model_kwargs = ml_collections.ConfigDict({"widths": (128, 128, 128, 128)})
   c.dataset = "digits"
   c.data_dir = ""              # TFDS data_dir ("" = TFDS default)
+  c.data_workers = 0           # processes decoding/augmenting training batches (ImageNet);
+                               # 0: in this process. Batches are the same for any value.
   # Optimisation.
   c.dtype = "float32"          # float32 | bfloat16 (bf16 compute, activations and stash;
                                # float32 master weights, optimizer state and loss)

@@ -76,6 +76,9 @@ def validate_fields(config) -> None:
           "compute and activations in bf16, float32 weights and optimizer state)")
   if config.get("engine", "auto") not in ("auto", "fused", "per_stage"):
     _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage")
+  workers = config.get("data_workers", 0)
+  if not isinstance(workers, int) or workers < 0:
+    _fail(f"data_workers={workers} must be an integer >= 0 (0: decode in this process)")
   for key in ("checkpoint_every_steps", "eval_every_epochs", "log_every_steps",
               "eval_batch_size", "ticks_per_call"):
     if key in config and (not isinstance(config[key], int) or config[key] < 1):

@@ -183,8 +183,10 @@ def _data(config):
     data_dir = config.data_dir or None
     train_ds = data_lib.load(config.dataset, "train", data_dir)
     test_ds = data_lib.load(config.dataset, "test", data_dir)
+    workers = config.get("data_workers", 0)
     make = lambda ds, bs, train: data_lib.BatchIterator(
-        ds, bs, train=train, seed=config.seed if train else 0, drop_remainder=train, **process)
+        ds, bs, train=train, seed=config.seed if train else 0, drop_remainder=train,
+        workers=workers if train else 0, **process)
     shape, dtype, keys = tuple(train_ds.image_shape), np.float32, ("image", "label")
     sizes = (train_ds.num_examples, "training examples")
   if config.batch_size > sizes[0]:
@@ -760,6 +762,7 @@ class TrainingLoop:
   def close(self) -> None:
     if self.bar is not None:
       self.bar.close()
+    self.run.train_iter.close()
     self.writer.close()
     self.ckpt.close()
 

@@ -140,6 +140,21 @@ def test_prepared_array_record_dataset_is_read_without_tensorflow(prepared_dir, 
   assert "tensorflow" not in sys.modules
 
 
+def test_tfds_source_goes_to_worker_processes(prepared_dir):
+  """A TfdsDataset (ArrayRecord data source) pickles to BatchIterator workers, which yield
+  bitwise the batches of workers=0."""
+  ds = data.load("cifar10", "train", data_dir=prepared_dir, cache=False)
+  assert isinstance(ds, data.TfdsDataset)
+  kw = dict(train=True, seed=4, drop_remainder=False)  # 6 batches/epoch, last one padded
+  want = [next(it) for it in [data.BatchIterator(ds, 4, **kw)] for _ in range(8)]
+  with data.BatchIterator(ds, 4, workers=2, **kw) as it:
+    got = [next(it) for _ in range(8)]
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys()
+    assert all(g[k].tobytes() == w[k].tobytes() for k in w)
+  assert "tensorflow" not in sys.modules
+
+
 def test_missing_dataset_raises_one_line_error(tmp_path):
   with pytest.raises(data.DatasetNotFoundError) as info:
     data.load("cifar100", "train", data_dir=str(tmp_path))

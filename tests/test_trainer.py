@@ -469,3 +469,10 @@ def test_vit_trains_on_digits(tmp_path):
                     "num_heads": 2}
   result = trainer.train_and_evaluate(c, str(tmp_path))
   assert result["steps"] == 12 and np.isfinite(result["test_loss"])
+
+
+def test_data_workers_train_bitwise_alike(tmp_path):
+  runs = [trainer.train_and_evaluate(
+      tiny_config(algorithm="fdg", num_epochs=1, data_workers=w), str(tmp_path / f"w{w}"))
+      for w in (0, 2)]
+  assert _params_equal(runs[0]["params"], runs[1]["params"])

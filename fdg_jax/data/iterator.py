@@ -6,6 +6,9 @@ batch at ``(e, step)`` from ``(seed, e, step)`` only (parameters are drawn for t
 global batch, row ``r`` getting the r-th draw). The iterator's state is therefore just
 the position ``(epoch, step)``; restoring it reproduces the exact batches, augmentation
 included, and it may even be restored under a different ``process_count``.
+
+The same pure function runs in worker processes with ``workers=N`` (``workers.py``): the
+batches, their order and the state are exactly those of ``workers=0``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from fdg_jax.data import augment as aug
+from fdg_jax.data import workers as workers_lib
 from fdg_jax.data.sources import ArrayDataset, Dataset
 
 _STATE_VERSION = 1
@@ -60,16 +64,29 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
       work on the calling thread). None: 0 for in-memory datasets (``ArrayDataset``: the
       work is a few numpy passes, and on a busy 2-core machine threads measured slower),
       4 for datasets read/decoded per batch (TFDS sources, ImageNet), where threads help.
+    workers: number of worker processes building whole upcoming batches (0: none, the
+      behaviour above). Use it for ImageNet, where JPEG decoding and crops are CPU-bound
+      (a few hundred images/s per process under the GIL): images/s then grow with the
+      workers up to the CPU cores. Every worker runs the same pure function of
+      ``(seed, epoch, step)``, so the batches, their order and ``get_state()`` are exactly
+      those of ``workers=0`` (resume is exact, across any ``workers``). With workers, the
+      number of batches queued ahead is ``max(prefetch, 2 * workers)`` (two per worker
+      keep every worker busy while the consumer takes one), no prefetch threads, and the
+      ``"image"`` arrays are read-write views of shared memory (``/dev/shm``; each queued
+      batch holds one there). The dataset is pickled to every worker once (ValueError if
+      it cannot be pickled: use workers=0); worker start-up takes about a second, on the
+      first batch. See ``fdg_jax.data.workers`` for the design.
 
   The iterator continues across epochs; ``epoch``/``step`` give the position of the next
-  batch, ``get_state()``/``set_state()`` save and restore it.
+  batch, ``get_state()``/``set_state()`` save and restore it. ``close()`` (or a ``with``
+  block) stops the prefetch threads or worker processes.
   """
 
   def __init__(self, dataset: Dataset, batch_size: int, *, train: bool, seed: int = 0,
                drop_remainder: bool | None = None, process_index: int = 0,
                process_count: int = 1, augment: bool | None = None,
                shuffle: bool | None = None, num_epochs: int | None = None,
-               prefetch: int | None = None):
+               prefetch: int | None = None, workers: int = 0):
     if batch_size <= 0:
       raise ValueError(f"batch_size must be positive, got {batch_size}")
     if process_count <= 0 or not 0 <= process_index < process_count:
@@ -101,7 +118,14 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     if prefetch is None:
       prefetch = 0 if isinstance(dataset, ArrayDataset) else 4
     self._prefetch = max(0, int(prefetch))
+    if int(workers) < 0:
+      raise ValueError(f"workers must be >= 0, got {workers}")
+    self._workers = int(workers)
+    if self._workers:
+      workers_lib.pickle_dataset(dataset)  # fail now, not at the first batch
+      self._prefetch = max(self._prefetch, 2 * self._workers)
     self._pool = None
+    self._procs: workers_lib.ProcessBatchPool | None = None
     self._pending: collections.deque = collections.deque()
     self._orders: dict[int, np.ndarray] = {}
 
@@ -152,7 +176,10 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     """This process's batch at position ``(epoch, step)``; a pure function of it."""
     return self._make_batch(epoch, step, self.order(epoch))
 
-  def _make_batch(self, epoch: int, step: int, order: np.ndarray) -> dict[str, np.ndarray]:
+  def _make_batch(self, epoch: int, step: int, order: np.ndarray,
+                  out: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The batch at ``(epoch, step)``; ``out``: float32 [b, H, W, C] to write the images
+    into (a worker's shared memory), else a new array."""
     gb, lb = self.batch_size, self.local_batch_size
     global_idx = order[step * gb:(step + 1) * gb]
     lo = self.process_index * lb
@@ -170,14 +197,14 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
       dy, dx, flip = aug.sample_crop_flip(rng, gb, self.spec.pad, kind == "crop_flip")
       sl = slice(lo, lo + n_real)
       images = aug.crop_flip(images, dy[sl], dx[sl], flip[sl], self.spec.pad)
-    image = aug.normalize(images, self.spec)
+    image = np.empty((lb,) + tuple(self.spec.image_shape), np.float32) if out is None else out
+    aug.normalize(images, self.spec, out=image[:n_real])
     label = np.asarray(labels, np.int32)
     if n_real < lb:
-      pad_image = np.zeros((lb,) + tuple(self.spec.image_shape), np.float32)
-      pad_image[:n_real] = image
+      image[n_real:] = 0.0
       pad_label = np.zeros((lb,), np.int32)
       pad_label[:n_real] = label
-      image, label = pad_image, pad_label
+      label = pad_label
     batch = {"image": image, "label": label}
     if not self.drop_remainder:
       mask = np.zeros((lb,), np.float32)
@@ -199,12 +226,43 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
 
   def _drop_pending(self) -> None:
     for _, fut in self._pending:
-      fut.cancel()
+      if self._procs is not None:
+        self._procs.discard(fut)
+      else:
+        fut.cancel()
     self._pending.clear()
 
   def _submit(self, epoch: int, step: int):
+    if self._procs is not None:
+      return self._procs.submit(epoch, step)  # the worker computes the order
     order = self.order(epoch)  # computed on this thread
     return self._pool.submit(self._make_batch, epoch, step, order)
+
+  def _start(self) -> None:
+    if self._workers:
+      if self._procs is None:
+        self._procs = workers_lib.ProcessBatchPool(self, self._workers, self._prefetch)
+    elif self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          max_workers=min(self._prefetch, 4), thread_name_prefix="fdg_data")
+
+  def _result(self, fut) -> dict[str, np.ndarray]:
+    return fut.result() if self._procs is None else self._procs.result(fut)
+
+  def _next_prefetched(self, pos: tuple[int, int]) -> dict[str, np.ndarray]:
+    self._start()
+    if self._pending and self._pending[0][0] != pos:
+      self._drop_pending()
+    if not self._pending:
+      self._pending.append((pos, self._submit(*pos)))
+    last = self._pending[-1][0]
+    positions = self._positions_from(*last)
+    next(positions)
+    for p in positions:
+      if len(self._pending) > self._prefetch:
+        break
+      self._pending.append((p, self._submit(*p)))
+    return self._result(self._pending.popleft()[1])
 
   def __iter__(self) -> "BatchIterator":
     return self
@@ -214,21 +272,11 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
       raise StopIteration
     pos = (self.epoch, self.step)
     if self._prefetch:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(self._prefetch, 4), thread_name_prefix="fdg_data")
-      if self._pending and self._pending[0][0] != pos:
-        self._drop_pending()
-      if not self._pending:
-        self._pending.append((pos, self._submit(*pos)))
-      last = self._pending[-1][0]
-      positions = self._positions_from(*last)
-      next(positions)
-      for p in positions:
-        if len(self._pending) > self._prefetch:
-          break
-        self._pending.append((p, self._submit(*p)))
-      batch = self._pending.popleft()[1].result()
+      try:
+        batch = self._next_prefetched(pos)
+      except workers_lib.WorkersBrokenError:  # start a new pool on the next call
+        self._close_procs(wait=False)
+        raise
     else:
       batch = self.batch_at(*pos)
     self.step += 1
@@ -245,9 +293,16 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
   def __bool__(self) -> bool:  # not len()-based: an infinite iterator has no len
     return True
 
-  def close(self) -> None:
-    """Stops the prefetch threads (the iterator can still be used afterwards)."""
+  def _close_procs(self, wait: bool) -> None:
     self._drop_pending()
+    if self._procs is not None:
+      procs, self._procs = self._procs, None
+      procs.close(wait=wait)
+
+  def close(self) -> None:
+    """Stops the prefetch threads or worker processes and waits for them (the iterator
+    can still be used afterwards: they restart on the next batch)."""
+    self._close_procs(wait=True)
     if self._pool is not None:
       self._pool.shutdown(wait=True, cancel_futures=True)
       self._pool = None
@@ -260,6 +315,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
 
   def __del__(self):
     try:
+      self._close_procs(wait=False)
       if self._pool is not None:
         self._pool.shutdown(wait=False, cancel_futures=True)
     except Exception:  # pylint: disable=broad-except
