@@ -2,6 +2,7 @@
 
     python benchmarks/staleness.py                   # the whole study (~1.5 h on 2 CPU cores)
     python benchmarks/staleness.py --cells mlp8:8:paper --seeds 0   # one cell, one seed
+    python benchmarks/staleness.py --refine mlp8:8:paper --out docs/staleness_refine.json
 
 A cell is (model, K, optimiser):
   models      mlp8: the MLP of 7 hidden blocks of 128 and a head (8 blocks);
@@ -22,6 +23,12 @@ In every cell:
 3. robustness of the recommended setting (--recommended): BP, FDG with the cell's
    selected beta, and the recommended setting at other learning rates and widths (mlp8, K=8,
    the paper's momentum), for each seed.
+Default cells: mlp8 at K=8 with both optimisers, mlp8 and cnn at K=4 with the paper's (the
+quick start's optimiser at K=4 already matches BP without remedies: docs/results.md, 1).
+
+--refine CELL runs instead a second, less noisy selection round in one cell: REFINE's
+settings (the first round's best on validation, and their neighbours) on the validation split
+with every seed, the best mean then tested with every seed.
 
 Runs go to --jobs worker processes (each one JAX process with 4 CPU devices). Writes --out
 (JSON: every run, the selections, summaries) and prints markdown tables.
@@ -224,6 +231,62 @@ def robustness(runner: Runner, args, chosen: dict) -> list[dict]:
   return runner.run(tasks)
 
 
+def refine(runner: Runner, args) -> dict:
+  """A second selection round in one cell, less noisy than the first: each of REFINE's
+  settings on the validation split with every seed of --seeds; the best mean validation
+  accuracy is tested on the test set with every seed."""
+  cell = args.refine
+  model, k, optimiser = cell.split(":")
+  base = cell_fields(model, int(k), optimiser)
+  tag = "refine_" + cell.replace(":", "_")
+  tasks = []
+  for i, (method, beta, fields) in enumerate(REFINE):
+    for seed in args.seeds:
+      tasks.append(_task(f"val_{tag}_{i}_s{seed}", {**base, "beta": beta, "staleness": method,
+                                                    "seed": seed, **fields},
+                         args.val_fraction, cell=cell, part="refine_select", setting=i,
+                         method=method_name(method, beta) + _fields_label(fields)))
+  rows = runner.run(tasks)
+  table = summarize(rows, lambda r: r["method"])
+  best = max(range(len(REFINE)), key=lambda i: (
+      _mean_score([r for r in rows if r["setting"] == i])))
+  method, beta, fields = REFINE[best]
+  tests = runner.run([_task(f"{tag}_best_s{seed}", {**base, "beta": beta, "staleness": method,
+                                                    "seed": seed, **fields}, None, cell=cell,
+                            part="refine_test",
+                            method=method_name(method, beta) + _fields_label(fields))
+                      for seed in args.seeds])
+  return {"cell": cell, "validation": table, "chosen": {"staleness": method, "beta": beta,
+                                                        "fields": fields},
+          "test": summarize(tests, lambda r: r["method"])}
+
+
+# The second round's settings: the first round's best on the validation split, around them.
+REFINE = [
+    ("spike_compensation+lr_by_delay", 1.0, {"staleness_ramp_epochs": -1.0}),
+    ("spike_compensation+lr_by_delay", 0.8, {"staleness_ramp_epochs": -1.0}),
+    ("spike_compensation+lr_by_delay", 1.0, {"staleness_ramp_epochs": -1.0,
+                                             "staleness_lr_power": 0.5}),
+    ("lr_by_delay", 1.0, {"staleness_ramp_epochs": -1.0}),
+    ("lr_by_delay", 0.8, {"staleness_ramp_epochs": -1.0}),
+    ("none", 0.5, {}),
+]
+
+
+def _fields_label(fields: dict) -> str:
+  parts = []
+  if fields.get("staleness_ramp_epochs", 0) < 0:
+    parts.append(f"lr·d^-{fields.get('staleness_lr_power', 1.0):g}")
+  return f" ({', '.join(parts)})" if parts else ""
+
+
+def _mean_score(rows) -> float:
+  accs = [r["test_accuracy"] for r in rows]
+  if any(r["diverged"] or a is None or math.isnan(a) for r, a in zip(rows, accs)):
+    return -math.inf
+  return sum(accs) / len(accs)
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -239,6 +302,9 @@ def main(argv=None) -> int:
                       help="a CANDIDATES method checked at other lrs and widths after the "
                            "mlp8:8:paper cell, at its setting selected there (empty: skip)")
   parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+  parser.add_argument("--refine", default="",
+                      help="only a second selection round in this cell (REFINE's settings, "
+                           "validation with every seed), e.g. mlp8:8:paper")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "staleness"))
   parser.add_argument("--out", default=str(ROOT / "docs" / "staleness.json"))
   args = parser.parse_args(argv)
@@ -249,6 +315,17 @@ def main(argv=None) -> int:
 
   started = time.time()
   runner = Runner(args)
+  if args.refine:
+    try:
+      result = refine(runner, args)
+    finally:
+      runner.close()
+    result["runs"] = runner.records
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1, allow_nan=True)
+    print("validation (every seed):\n" + markdown_table(result["validation"], None))
+    print(f"\nchosen: {result['chosen']}\ntest:\n" + markdown_table(result["test"], None))
+    return 0
   result = {"description": "FDG staleness remedies vs BP on digits; benchmarks/staleness.py",
             "config": str(pathlib.Path(args.config).resolve().relative_to(ROOT)),
             "overrides": args.set, "seeds": args.seeds, "candidates": CANDIDATES,
