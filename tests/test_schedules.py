@@ -31,7 +31,7 @@ def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backwar
   """
   K = len(applies)
   theta, ms = list(params), list(states)
-  opts = list(opt) if isinstance(opt, (list, tuple)) else [opt] * K
+  opts = [opt] * K if hasattr(opt, "init") else list(opt)  # one transform (a NamedTuple) or K
   opt_states = [o.init(p) for o, p in zip(opts, theta)]
   probes = {}
 
