@@ -1,6 +1,6 @@
 """BP against FDG on the transformer workloads: ViT on digits, a small GPT on the stdlib corpus.
 
-    python benchmarks/workloads.py                     # both (~30 min on 2 CPU cores)
+    python benchmarks/workloads.py                     # both (42 min on 2 CPU cores)
     python benchmarks/workloads.py --parts vit --seeds 0
 
 ViT: patch 2 on the 8x8 digits (16 tokens), width 64, 6 pre-norm blocks of 4 heads (8 blocks
