@@ -36,9 +36,9 @@ METHODS = (("BP K=1", {"algorithm": "bp", "num_stages": 1}),
            ("FDG K=8", {"algorithm": "fdg", "num_stages": 8}))
 
 
-def summary(rows, keys):
+def summary(rows, keys, methods=METHODS):
   out = []
-  for method, _ in METHODS:
+  for method, _ in methods:
     rs = [r for r in rows if r["method"] == method]
     entry = {"method": method, "runs": len(rs), "diverged": sum(r["diverged"] for r in rs)}
     for key in keys:
@@ -67,10 +67,18 @@ def main(argv=None) -> int:
   parser.add_argument("--lm_bytes", type=int, default=1_000_000)
   parser.add_argument("--lm_epochs", type=int, default=1)
   parser.add_argument("--jobs", type=int, default=2)
+  parser.add_argument("--k8_staleness", default="",
+                      help="also FDG K=8 with this staleness method (lr_by_delay: lr/d_k "
+                           "without ramp), e.g. lr_by_delay")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "workloads"))
   parser.add_argument("--out", default=str(ROOT / "docs" / "workloads.json"))
   args = parser.parse_args(argv)
   args.set = []
+  methods = list(METHODS)
+  if args.k8_staleness:
+    methods.append((f"FDG K=8 + {args.k8_staleness}",
+                    {"algorithm": "fdg", "num_stages": 8, "staleness": args.k8_staleness,
+                     "staleness_ramp_epochs": -1.0}))
   started = time.time()
   result = {"description": "BP vs FDG on ViT/digits and GPT/stdlib text; "
                            "benchmarks/workloads.py", "seeds": args.seeds}
@@ -84,14 +92,14 @@ def main(argv=None) -> int:
     try:
       tasks = [_task(f"{part}_{label.replace(' ', '_').replace('=', '')}_s{seed}",
                      {**base, **fields, "seed": seed}, None, method=label)
-               for seed in args.seeds for label, fields in METHODS]
+               for seed in args.seeds for label, fields in methods]
       rows = runner.run(tasks)  # the Runner fills in config, overrides and workroot
       for r in rows:
         r["test_perplexity"] = math.exp(r["test_loss"]) if not r["diverged"] else math.nan
     finally:
       runner.close()
     keys = ["test_accuracy", "test_loss"] + (["test_perplexity"] if part == "lm" else [])
-    result[part] = {"summary": summary(rows, keys), "runs": rows}
+    result[part] = {"summary": summary(rows, keys, methods), "runs": rows}
     scale = {"test_accuracy": 100.0, "test_loss": 1.0, "test_perplexity": 1.0}
     print(f"\n{part}:\n" + table(result[part]["summary"], keys, scale), flush=True)
   result["total_time_s"] = time.time() - started
