@@ -41,7 +41,110 @@ def augment_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
   return np.random.default_rng([int(seed) % 2**63, _AUGMENT_TAG, int(epoch), int(step)])
 
 
-class BatchIterator(Iterator[dict[str, np.ndarray]]):
+class PositionedIterator(Iterator[dict[str, np.ndarray]]):
+  """What `BatchIterator` and `fdg_jax.data.text.TextIterator` share: global batches of
+  ``batch_size`` items in an order drawn from ``(seed, epoch)`` only, this process's rows
+  of each, and the position ``(epoch, step)`` of the next batch as the whole state.
+
+  Subclasses call `_init_position`, build batches in `batch_at` and define `get_state`.
+  """
+
+  def _init_position(self, num_items: int, batch_size: int, *, train: bool, seed: int,
+                     drop_remainder: bool | None, shuffle: bool | None,
+                     num_epochs: int | None, process_index: int, process_count: int) -> None:
+    """Checks and sets the fields of the position (`steps_per_epoch` may be 0: the
+    subclass says why in its own words)."""
+    if batch_size <= 0:
+      raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if process_count <= 0 or not 0 <= process_index < process_count:
+      raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and "
+                       f"{process_count}")
+    if batch_size % process_count:
+      raise ValueError(f"global batch_size {batch_size} is not divisible by process_count "
+                       f"{process_count}")
+    self._num_items = int(num_items)
+    self.batch_size = int(batch_size)
+    self.local_batch_size = self.batch_size // process_count
+    self.train = bool(train)
+    self.seed = int(seed)
+    self.drop_remainder = self.train if drop_remainder is None else bool(drop_remainder)
+    self.shuffle = self.train if shuffle is None else bool(shuffle)
+    self.num_epochs = (None if self.train else 1) if num_epochs is None else int(num_epochs)
+    self.process_index = int(process_index)
+    self.process_count = int(process_count)
+    n = self._num_items
+    self.steps_per_epoch = (n // self.batch_size if self.drop_remainder
+                            else -(-n // self.batch_size))
+    self.epoch = 0
+    self.step = 0
+    self._orders: dict[int, np.ndarray] = {}
+
+  def get_state(self) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def _checked_position(self, state: dict[str, Any], keys) -> tuple[int, int]:
+    """The position of a `get_state()` dict, after checking its `keys` against ours."""
+    mine = self.get_state()
+    for key in keys:
+      if key in state and not _same(state[key], mine[key]):
+        raise ValueError(f"iterator state has {key}={state[key]}, this iterator {mine[key]}")
+    epoch, step = int(state["epoch"]), int(state["step"])
+    if epoch < 0 or not 0 <= step < self.steps_per_epoch:
+      raise ValueError(f"invalid position epoch={epoch} step={step} "
+                       f"(steps_per_epoch={self.steps_per_epoch})")
+    return epoch, step
+
+  def order(self, epoch: int) -> np.ndarray:
+    """Item indices of ``epoch`` in iteration order (int64 [N])."""
+    order = self._orders.get(epoch)
+    if order is None:
+      n = self._num_items
+      order = epoch_permutation(self.seed, epoch, n) if self.shuffle else np.arange(n)
+      if len(self._orders) >= 2:  # keep the current and the next epoch
+        self._orders.pop(min(self._orders))
+      self._orders[epoch] = order
+    return order
+
+  def _finished(self, epoch: int) -> bool:
+    return self.num_epochs is not None and epoch >= self.num_epochs
+
+  def _advance(self) -> None:
+    self.step += 1
+    if self.step == self.steps_per_epoch:
+      self.epoch, self.step = self.epoch + 1, 0
+
+  def __iter__(self):
+    return self
+
+  def __len__(self) -> int:
+    """Batches left until ``num_epochs`` ends (TypeError when it never ends)."""
+    if self.num_epochs is None:
+      raise TypeError(f"infinite {type(self).__name__} (num_epochs=None with train=True) "
+                      "has no len")
+    return max(0, (self.num_epochs - self.epoch) * self.steps_per_epoch - self.step)
+
+  def __bool__(self) -> bool:  # not len()-based: an infinite iterator has no len
+    return True
+
+  def close(self) -> None:
+    """Stops any background work (none here)."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _same(a, b) -> bool:
+  """State fields compared as integers where they are, else as strings (a corpus hash)."""
+  try:
+    return int(a) == int(b)
+  except (TypeError, ValueError):
+    return str(a) == str(b)
+
+
+class BatchIterator(PositionedIterator):
   """Yields ``{"image": float32 [b,H,W,C], "label": int32 [b]}`` (+ ``"mask"``) batches.
 
   Args:
@@ -87,34 +190,16 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
                process_count: int = 1, augment: bool | None = None,
                shuffle: bool | None = None, num_epochs: int | None = None,
                prefetch: int | None = None, workers: int = 0):
-    if batch_size <= 0:
-      raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if process_count <= 0 or not 0 <= process_index < process_count:
-      raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and "
-                       f"{process_count}")
-    if batch_size % process_count:
-      raise ValueError(f"global batch_size {batch_size} is not divisible by process_count "
-                       f"{process_count}")
+    self._init_position(dataset.num_examples, batch_size, train=train, seed=seed,
+                        drop_remainder=drop_remainder, shuffle=shuffle,
+                        num_epochs=num_epochs, process_index=process_index,
+                        process_count=process_count)
     self.dataset = dataset
     self.spec = dataset.spec
-    self.batch_size = int(batch_size)
-    self.local_batch_size = self.batch_size // process_count
-    self.train = bool(train)
-    self.seed = int(seed)
-    self.drop_remainder = self.train if drop_remainder is None else bool(drop_remainder)
-    self.process_index = int(process_index)
-    self.process_count = int(process_count)
     self.augment = self.train if augment is None else bool(augment)
-    self.shuffle = self.train if shuffle is None else bool(shuffle)
-    self.num_epochs = (None if self.train else 1) if num_epochs is None else int(num_epochs)
-    n = dataset.num_examples
-    self.steps_per_epoch = (n // self.batch_size if self.drop_remainder
-                            else -(-n // self.batch_size))
     if self.steps_per_epoch == 0:
-      raise ValueError(f"{dataset.name}/{dataset.split} has {n} examples: not one full batch "
-                       f"of {self.batch_size} (use drop_remainder=False)")
-    self.epoch = 0
-    self.step = 0
+      raise ValueError(f"{dataset.name}/{dataset.split} has {dataset.num_examples} examples: "
+                       f"not one full batch of {self.batch_size} (use drop_remainder=False)")
     if prefetch is None:
       prefetch = 0 if isinstance(dataset, ArrayDataset) else 4
     self._prefetch = max(0, int(prefetch))
@@ -127,7 +212,6 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     self._pool = None
     self._procs: workers_lib.ProcessBatchPool | None = None
     self._pending: collections.deque = collections.deque()
-    self._orders: dict[int, np.ndarray] = {}
 
   # ---- position / state ---------------------------------------------------------------
 
@@ -147,30 +231,12 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     """Restores a ``get_state()`` position; the next batch is the one an uninterrupted
     iterator would yield there. ValueError if seed, global batch size, dataset size,
     drop_remainder or shuffle differ (``process_count`` may differ)."""
-    mine = self.get_state()
-    for key in ("version", "seed", "batch_size", "num_examples", "drop_remainder",
-                "shuffle"):
-      if key in state and int(state[key]) != int(mine[key]):
-        raise ValueError(f"iterator state has {key}={state[key]}, this iterator {mine[key]}")
-    epoch, step = int(state["epoch"]), int(state["step"])
-    if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-      raise ValueError(f"invalid position epoch={epoch} step={step} "
-                       f"(steps_per_epoch={self.steps_per_epoch})")
+    epoch, step = self._checked_position(state, ("version", "seed", "batch_size",
+                                                 "num_examples", "drop_remainder", "shuffle"))
     self._drop_pending()
     self.epoch, self.step = epoch, step
 
   # ---- batch construction -------------------------------------------------------------
-
-  def order(self, epoch: int) -> np.ndarray:
-    """Example indices of ``epoch`` in iteration order (int64 [N])."""
-    order = self._orders.get(epoch)
-    if order is None:
-      n = self.dataset.num_examples
-      order = epoch_permutation(self.seed, epoch, n) if self.shuffle else np.arange(n)
-      if len(self._orders) >= 2:  # keep the current and the next epoch
-        self._orders.pop(min(self._orders))
-      self._orders[epoch] = order
-    return order
 
   def batch_at(self, epoch: int, step: int) -> dict[str, np.ndarray]:
     """This process's batch at position ``(epoch, step)``; a pure function of it."""
@@ -213,9 +279,6 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     return batch
 
   # ---- iteration ----------------------------------------------------------------------
-
-  def _finished(self, epoch: int) -> bool:
-    return self.num_epochs is not None and epoch >= self.num_epochs
 
   def _positions_from(self, epoch: int, step: int):
     while not self._finished(epoch):
@@ -264,9 +327,6 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
       self._pending.append((p, self._submit(*p)))
     return self._result(self._pending.popleft()[1])
 
-  def __iter__(self) -> "BatchIterator":
-    return self
-
   def __next__(self) -> dict[str, np.ndarray]:
     if self._finished(self.epoch):
       raise StopIteration
@@ -279,19 +339,8 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         raise
     else:
       batch = self.batch_at(*pos)
-    self.step += 1
-    if self.step == self.steps_per_epoch:
-      self.epoch, self.step = self.epoch + 1, 0
+    self._advance()
     return batch
-
-  def __len__(self) -> int:
-    """Batches left until ``num_epochs`` ends (TypeError when it never ends)."""
-    if self.num_epochs is None:
-      raise TypeError("infinite BatchIterator (num_epochs=None with train=True) has no len")
-    return max(0, (self.num_epochs - self.epoch) * self.steps_per_epoch - self.step)
-
-  def __bool__(self) -> bool:  # not len()-based: an infinite iterator has no len
-    return True
 
   def _close_procs(self, wait: bool) -> None:
     self._drop_pending()
@@ -306,12 +355,6 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
     if self._pool is not None:
       self._pool.shutdown(wait=True, cancel_futures=True)
       self._pool = None
-
-  def __enter__(self) -> "BatchIterator":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
 
   def __del__(self):
     try:

@@ -41,11 +41,11 @@ import hashlib
 import os
 import platform
 import sysconfig
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from fdg_jax.data.iterator import epoch_permutation
+from fdg_jax.data.iterator import PositionedIterator
 
 VOCAB_SIZE = 256
 VALIDATION_EVERY = 10
@@ -205,7 +205,7 @@ def load_text(split: str = "train", *, seq_len: int = 128, max_bytes: int | None
                      python_version=platform.python_version())
 
 
-class TextIterator(Iterator[dict[str, np.ndarray]]):
+class TextIterator(PositionedIterator):
   """Yields ``{"tokens": int32 [b, T], "targets": int32 [b, T]}`` (+ ``"mask"``) batches.
 
   Args:
@@ -230,35 +230,17 @@ class TextIterator(Iterator[dict[str, np.ndarray]]):
                seq_len: int | None = None, drop_remainder: bool | None = None,
                shuffle: bool | None = None, num_epochs: int | None = None,
                process_index: int = 0, process_count: int = 1):
-    if batch_size <= 0:
-      raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if process_count <= 0 or not 0 <= process_index < process_count:
-      raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and "
-                       f"{process_count}")
-    if batch_size % process_count:
-      raise ValueError(f"global batch_size {batch_size} is not divisible by process_count "
-                       f"{process_count}")
     self.dataset = dataset
     self.seq_len = dataset.seq_len if seq_len is None else int(seq_len)
     self.num_windows = dataset.windows_for(self.seq_len)
-    self.batch_size = int(batch_size)
-    self.local_batch_size = self.batch_size // process_count
-    self.train = bool(train)
-    self.seed = int(seed)
-    self.drop_remainder = self.train if drop_remainder is None else bool(drop_remainder)
-    self.shuffle = self.train if shuffle is None else bool(shuffle)
-    self.num_epochs = (None if self.train else 1) if num_epochs is None else int(num_epochs)
-    self.process_index = int(process_index)
-    self.process_count = int(process_count)
-    n = self.num_windows
-    self.steps_per_epoch = n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
+    self._init_position(self.num_windows, batch_size, train=train, seed=seed,
+                        drop_remainder=drop_remainder, shuffle=shuffle,
+                        num_epochs=num_epochs, process_index=process_index,
+                        process_count=process_count)
     if self.steps_per_epoch == 0:
-      raise ValueError(f"{dataset.name}/{dataset.split} has {n} windows of {self.seq_len} "
-                       f"tokens: not one full batch of {self.batch_size} (use "
+      raise ValueError(f"{dataset.name}/{dataset.split} has {self.num_windows} windows of "
+                       f"{self.seq_len} tokens: not one full batch of {self.batch_size} (use "
                        "drop_remainder=False, or more max_bytes)")
-    self.epoch = 0
-    self.step = 0
-    self._orders: dict[int, np.ndarray] = {}
 
   @property
   def vocab_size(self) -> int:
@@ -277,29 +259,12 @@ class TextIterator(Iterator[dict[str, np.ndarray]]):
     """Restores a `get_state()` position; the next batch is the one an uninterrupted iterator
     would yield there. ValueError if the corpus (sha256), seed, global batch size, seq_len,
     window count, drop_remainder or shuffle differ."""
-    mine = self.get_state()
-    for key in ("version", "seed", "batch_size", "seq_len", "num_windows", "drop_remainder",
-                "shuffle", "sha256"):
-      if key in state and str(state[key]) != str(mine[key]):
-        raise ValueError(f"iterator state has {key}={state[key]}, this iterator {mine[key]}")
-    epoch, step = int(state["epoch"]), int(state["step"])
-    if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-      raise ValueError(f"invalid position epoch={epoch} step={step} "
-                       f"(steps_per_epoch={self.steps_per_epoch})")
+    epoch, step = self._checked_position(state, (
+        "version", "seed", "batch_size", "seq_len", "num_windows", "drop_remainder",
+        "shuffle", "sha256"))
     self.epoch, self.step = epoch, step
 
   # ---- batches ------------------------------------------------------------------------
-
-  def order(self, epoch: int) -> np.ndarray:
-    """Window indices of `epoch` in iteration order (int64 [num_windows])."""
-    order = self._orders.get(epoch)
-    if order is None:
-      n = self.num_windows
-      order = epoch_permutation(self.seed, epoch, n) if self.shuffle else np.arange(n)
-      if len(self._orders) >= 2:  # keep the current and the next epoch
-        self._orders.pop(min(self._orders))
-      self._orders[epoch] = order
-    return order
 
   def batch_at(self, epoch: int, step: int) -> dict[str, np.ndarray]:
     """This process's batch at position (epoch, step); a pure function of it."""
@@ -320,35 +285,9 @@ class TextIterator(Iterator[dict[str, np.ndarray]]):
 
   # ---- iteration ----------------------------------------------------------------------
 
-  def _finished(self, epoch: int) -> bool:
-    return self.num_epochs is not None and epoch >= self.num_epochs
-
-  def __iter__(self) -> "TextIterator":
-    return self
-
   def __next__(self) -> dict[str, np.ndarray]:
     if self._finished(self.epoch):
       raise StopIteration
     batch = self.batch_at(self.epoch, self.step)
-    self.step += 1
-    if self.step == self.steps_per_epoch:
-      self.epoch, self.step = self.epoch + 1, 0
+    self._advance()
     return batch
-
-  def __len__(self) -> int:
-    """Batches left until `num_epochs` ends (TypeError when it never ends)."""
-    if self.num_epochs is None:
-      raise TypeError("infinite TextIterator (num_epochs=None with train=True) has no len")
-    return max(0, (self.num_epochs - self.epoch) * self.steps_per_epoch - self.step)
-
-  def __bool__(self) -> bool:
-    return True
-
-  def close(self) -> None:
-    """Nothing to stop (no threads or processes); here for `BatchIterator` parity."""
-
-  def __enter__(self) -> "TextIterator":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
