@@ -9,10 +9,16 @@ inserts the gradient all-reduce across the R data-parallel replicas.
 
 The same code runs single-controller (one process sees every device) and multi-controller
 (`jax.distributed.initialize`: every process runs the same program and sees only its own
-devices). In the multi-controller case host data given to `put_batch` is this process's
-slice of the global batch, and messages between stages are moved shard by shard between
-each process's own devices (`move`), because JAX refuses a cross-host `device_put` between
-two different device sets.
+devices). In the multi-controller case host data given to `put_batch(0, ...)` is this
+process's slice of the global batch (`local_batch_slice`; a process holding none of stage
+0's devices passes arrays of the global shape, which are not read). A message between two
+stages moves shard by shard between a process's own devices where the two stages' shards
+of every replica lie in one process; where they lie in different processes (a pipeline
+that spans processes) it crosses through a collective (`exchange`: a two-sided `ppermute`
+program over the source and target devices), because JAX refuses a `device_put` between
+device sets of different processes. Every process calls the same moves in the same order
+(the tick is the same program everywhere), and which kind of move runs is decided from the
+shardings alone, so the processes always meet in the same collectives.
 """
 
 from __future__ import annotations
@@ -60,25 +66,28 @@ class Placement:
         raise ValueError(
             f"mesh has {mesh.devices.shape[1]} stage columns but the model has {num_stages} "
             "stages")
-      processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
-      if (processes != processes[:, :1]).any():
-        # Messages move shard by shard within a process (see `move`); JAX (0.10) refuses a
-        # device_put between different device sets of different processes.
-        raise ValueError("each replica's stages (a row of the mesh) must lie in one process; "
-                         "build the mesh with fdg_jax.runtime.make_mesh")
-      state, batch = [], []
-      for k in range(num_stages):
-        sub = Mesh(mesh.devices[:, k], (DATA_AXIS,))
-        state.append(NamedSharding(sub, P()))
-        batch.append(NamedSharding(sub, P(DATA_AXIS)))
-      return cls(state, batch, state, num_replicas=mesh.devices.shape[0])
+      return cls._columns([mesh.devices[:, k] for k in range(num_stages)])
     if devices is None:
       devices = [jax.devices()[0]] * num_stages
     devices = list(devices)
     if len(devices) != num_stages:
       raise ValueError(f"got {len(devices)} devices for {num_stages} stages")
+    if len({d.process_index for d in devices}) > 1:
+      # Stages in several processes: one-device meshes, whose arrays a multi-process
+      # checkpoint (orbax) and the cross-process moves handle like a mesh column's.
+      return cls._columns([np.asarray([d], dtype=object) for d in devices])
     shardings = [SingleDeviceSharding(d) for d in devices]
     return cls(shardings, shardings, shardings)
+
+  @classmethod
+  def _columns(cls, columns) -> "Placement":
+    """Stage k on the devices `columns[k]` (its R replicas), as a ("data",) mesh."""
+    state, batch = [], []
+    for column in columns:
+      sub = Mesh(np.asarray(column, dtype=object), (DATA_AXIS,))
+      state.append(NamedSharding(sub, P()))
+      batch.append(NamedSharding(sub, P(DATA_AXIS)))
+    return cls(state, batch, state, num_replicas=len(columns[0]))
 
   @property
   def num_stages(self) -> int:
@@ -114,11 +123,29 @@ class Placement:
       return state
     return NamedSharding(state.mesh, P(*([None] * batch_axis), DATA_AXIS))
 
+  @property
+  def spans_processes(self) -> bool:
+    """Whether some replica's stages lie in different processes (a pipeline across them)."""
+    rows = zip(*[[d.process_index for d in _devices(s)] for s in self.state_shardings])
+    return any(len(set(row)) > 1 for row in rows)
+
+  def feeder(self) -> tuple[int, int] | None:
+    """(index, count) of this process among those holding stage 0's devices, or None.
+
+    The feeders split every global batch into `count` equal blocks of rows, block `index`
+    being this process's (`local_batch_slice`); the other processes feed nothing.
+    """
+    processes = sorted({d.process_index for d in _devices(self.batch_shardings[0])})
+    if jax.process_index() not in processes:
+      return None
+    return processes.index(jax.process_index()), len(processes)
+
   def local_batch_slice(self, global_batch_size: int) -> slice:
     """The rows of the global batch this process feeds to `put_batch(0, ...)`.
 
     All rows in a single process; with several processes, the rows held by this process's
-    devices of stage 0 (a contiguous block, in the order of the mesh's "data" axis).
+    devices of stage 0 (a contiguous block, in the order of the mesh's "data" axis), and
+    slice(0, 0) in a process holding none of them.
     """
     s = self.batch_shardings[0]
     rows = set()
@@ -151,32 +178,44 @@ class Placement:
   def put_batch(self, k: int, tree):
     """Moves batch-major arrays to stage k: leading axis sharded, scalars replicated.
 
-    Device arrays (messages between stages) are moved with `move`. Host data (numpy) in a
-    multi-controller run is this process's slice of the global batch (`local_batch_slice`).
+    Device arrays (messages between stages) are moved with `move_tree`. Host data (numpy)
+    in a multi-controller run is this process's slice of the global batch
+    (`local_batch_slice`); a process holding none of stage k's devices passes arrays of the
+    global shape (they are not read).
     """
     shardings = self.message_shardings(k, tree)
-    if self.batch_shardings[k].is_fully_addressable:
+    if jax.process_count() == 1:
       return put_local(tree, shardings)
-
-    def put(a, s):
-      if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        return move(a, s)
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    out = [None] * len(leaves)
+    moving = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array) and a.committed]
+    for i, m in zip(moving, move_tree([leaves[i] for i in moving],
+                                      [targets[i] for i in moving])):
+      out[i] = m
+    for i, (a, s) in enumerate(zip(leaves, targets)):
+      if out[i] is not None:
+        continue
       if np.ndim(a) == 0:
-        return _put_replicated(a, s)
-      return jax.make_array_from_process_local_data(s, np.asarray(a))
-    return jax.tree.map(put, tree, shardings)
+        out[i] = _put_replicated(a, s)
+      elif not _holds(s):
+        out[i] = _no_shards(np.shape(a), np.asarray(a).dtype, s)
+      else:
+        out[i] = jax.make_array_from_process_local_data(s, np.asarray(a))
+    return treedef.unflatten(out)
 
   def put_replicated(self, k: int, tree):
     """Moves device arrays to stage k's devices, replicated there (like its state)."""
     sharding = self.state_shardings[k]
-    if sharding.is_fully_addressable:
+    if jax.process_count() == 1:
       return put_local(tree, jax.tree.map(lambda _: sharding, tree))
-    return jax.tree.map(lambda a: move(a, sharding), tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten(move_tree(leaves, [sharding] * len(leaves)))
 
   def put_batches(self, messages):
     """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible."""
     messages = list(messages)
-    if all(self.batch_shardings[k].is_fully_addressable for k, _ in messages):
+    if jax.process_count() == 1:
       shardings = [self.message_shardings(k, tree) for k, tree in messages]
       return put_local([tree for _, tree in messages], shardings)
     return [self.put_batch(k, tree) for k, tree in messages]
@@ -245,16 +284,141 @@ def _batched_copy(arrays, shardings):
 
 
 def move(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
-  """`a` with `sharding`: `jax.device_put` when this process holds all of both.
+  """`a` with `sharding` (see `move_tree`)."""
+  return move_tree([a], [sharding])[0]
 
-  Otherwise (multi-controller) each target device this process holds receives the local
-  shard of `a` with the same index, copied between the process's own devices, and the
-  global array is reassembled from them; nothing crosses a process boundary. That is the
-  case of a (data, stage) mesh whose rows each lie within one process.
+
+def move_tree(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]) -> list:
+  """Each array moved to its sharding, in any single- or multi-controller run.
+
+  - one process holds all of both: `jax.device_put`;
+  - else, where every shard's source and target devices lie in one process (a (data,
+    stage) mesh whose rows each lie within one process): each process copies its own
+    shards (`move_shards`), nothing crosses a process boundary;
+  - else the shards cross processes through `exchange`, one collective program per pair
+    of device sets.
+  The choice depends on the shardings only, so every process takes the same one; every
+  process must call this with the same arrays (those it holds no shards of included).
   """
-  if a.is_fully_addressable and sharding.is_fully_addressable:
-    return jax.device_put(a, sharding)
-  return move_shards(a, sharding)
+  out: list = [None] * len(arrays)
+  groups: dict = {}
+  for i, (a, s) in enumerate(zip(arrays, shardings)):
+    if a.sharding.is_fully_addressable and s.is_fully_addressable:
+      out[i] = jax.device_put(a, s)
+    elif _crosses(a.sharding, s):
+      key = (tuple(_devices(a.sharding)), tuple(_devices(s)))
+      groups.setdefault(key, []).append(i)
+    else:
+      out[i] = move_shards(a, s)
+  for idx in groups.values():
+    for i, m in zip(idx, exchange([arrays[i] for i in idx], [shardings[i] for i in idx])):
+      out[i] = m
+  return out
+
+
+def _devices(sharding) -> list:
+  """A sharding's devices in its mesh order (or its one device)."""
+  if isinstance(sharding, NamedSharding):
+    return list(sharding.mesh.devices.reshape(-1))
+  return sorted(sharding.device_set, key=lambda d: d.id)
+
+
+def _holds(sharding) -> bool:
+  """Whether this process holds any of `sharding`'s devices."""
+  return any(d.process_index == jax.process_index() for d in sharding.device_set)
+
+
+def _no_shards(shape, dtype, sharding) -> jax.Array:
+  """The global array of `sharding` as seen by a process that holds none of its devices."""
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
+def _crosses(src, dst) -> bool:
+  """Whether moving an array from `src` to `dst` (equal layouts) crosses processes: some
+  shard's source device and target device (same position) lie in different processes."""
+  a, b = _devices(src), _devices(dst)
+  if len(a) != len(b):
+    return True
+  return any(x.process_index != y.process_index for x, y in zip(a, b))
+
+
+EXCHANGE_AXES = ("side", DATA_AXIS)
+
+
+def exchange(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> list:
+  """Moves arrays between two sets of devices in different processes through a collective.
+
+  All arrays share one source layout (a stage's devices) and one target (another stage's,
+  as many devices, disjoint). One jitted `shard_map` over the (2, R) mesh ("side": source
+  row, target row; "data": the replicas) sends every source device's block to the target
+  device at its position with `lax.ppermute` along "side". A batch-sharded leaf (rows over
+  "data") is seen as a (2B, ...) array whose blocks are the source shards and zero blocks
+  on the target side; a replicated leaf (a scalar) keeps its shape with spec P() (the
+  program checks no replication: each device's block is its own). Processes holding
+  source or target devices run the program (every one of them must call this); the
+  others get the arrays without shards.
+  """
+  src, dst = arrays[0].sharding, shardings[0]
+  src_devices, dst_devices = _devices(src), _devices(dst)
+  for a, s in zip(arrays, shardings):
+    if _devices(a.sharding) != src_devices or _devices(s) != dst_devices:
+      raise ValueError("exchange moves arrays between one pair of device sets")
+    if not (a.sharding.is_fully_replicated or _row_sharded(a.sharding, a.ndim)):
+      raise ValueError(f"exchange moves replicated or row-sharded arrays, not {a.sharding}")
+    if set(src_devices) & set(dst_devices) or len(src_devices) != len(dst_devices):
+      raise ValueError("exchange needs disjoint source and target devices of equal number")
+  me = jax.process_index()
+  if not any(d.process_index == me for d in src_devices + dst_devices):
+    return [_no_shards(a.shape, a.dtype, s) for a, s in zip(arrays, shardings)]
+  mesh = Mesh(np.asarray([src_devices, dst_devices], dtype=object), EXCHANGE_AXES)
+  specs, inputs = [], []
+  for a in arrays:
+    replicated = a.sharding.is_fully_replicated
+    spec = P() if replicated else P(EXCHANGE_AXES)
+    shape = a.shape if replicated else (2 * a.shape[0],) + a.shape[1:]
+    block = a.shape if replicated else (a.shape[0] // len(src_devices),) + a.shape[1:]
+    local = {shard.device: shard.data for shard in a.addressable_shards}
+    blocks = [local[d] for d in src_devices if d.process_index == me]
+    blocks += [_zero_block(block, a.dtype, d) for d in dst_devices if d.process_index == me]
+    specs.append(spec)
+    inputs.append(jax.make_array_from_single_device_arrays(
+        shape, NamedSharding(mesh, spec), blocks, dtype=a.dtype))
+  outputs = _exchange_fn(mesh, tuple(specs))(*inputs)
+  moved = []
+  for a, s, o in zip(arrays, shardings, outputs):
+    received = {shard.device: shard.data for shard in o.addressable_shards}
+    moved.append(jax.make_array_from_single_device_arrays(
+        a.shape, s, [received[d] for d in dst_devices if d.process_index == me],
+        dtype=a.dtype))
+  return moved
+
+
+def _row_sharded(sharding, ndim: int) -> bool:
+  return (isinstance(sharding, NamedSharding) and ndim > 0
+          and tuple(sharding.spec)[:1] == (DATA_AXIS,)
+          and all(p is None for p in tuple(sharding.spec)[1:]))
+
+
+_EXCHANGE_FNS: dict = {}
+_ZERO_BLOCKS: dict = {}
+
+
+def _exchange_fn(mesh: Mesh, specs: tuple):
+  key = (tuple(mesh.devices.reshape(-1)), specs)
+  if key not in _EXCHANGE_FNS:
+    def send(*blocks):
+      return tuple(jax.lax.ppermute(b, "side", [(0, 1)]) for b in blocks)
+    _EXCHANGE_FNS[key] = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=specs,
+                                               out_specs=specs, check_vma=False))
+  return _EXCHANGE_FNS[key]
+
+
+def _zero_block(shape, dtype, device) -> jax.Array:
+  """A cached zero block (the target side's input of `exchange`, never donated)."""
+  key = (tuple(shape), np.dtype(dtype).name, device)
+  if key not in _ZERO_BLOCKS:
+    _ZERO_BLOCKS[key] = jax.device_put(np.zeros(shape, dtype), device)
+  return _ZERO_BLOCKS[key]
 
 
 def move_shards(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -278,8 +442,8 @@ def move_shards(a: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     pieces.append(piece)
     devices.append(device)
   # One batched, explicit device-to-device copy for all local shards.
-  moved = jax.device_put(pieces, devices)
-  return jax.make_array_from_single_device_arrays(shape, sharding, moved)
+  moved = jax.device_put(pieces, devices) if pieces else []
+  return jax.make_array_from_single_device_arrays(shape, sharding, moved, dtype=a.dtype)
 
 
 def _index_key(index, shape):

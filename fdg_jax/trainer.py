@@ -31,6 +31,7 @@ import optax
 import fdg_jax
 from fdg_jax import data as data_lib
 from fdg_jax import models, partition, precision, runtime, staleness
+from fdg_jax.runtime import arrays as runtime_arrays
 from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
                                   validate, validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
@@ -75,26 +76,32 @@ def setup_cpu_devices(n: int) -> None:
 def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -> dict:
   """`devices=`, `mesh=` and `engine=` for the schedule, from the devices this process sees.
 
-  Several replicas or processes (jax.distributed) take a ("data", "stage") mesh whose replica
-  rows each stay inside one process. Otherwise `engine`: "fused" runs every stage in one
-  program on one device; "per_stage" puts stage k on device k (when there are K devices,
-  else all on the first); "auto" is fused on CPU, where forced devices share the host's
-  cores (so stages apart gain nothing) and one program per call costs far less host time,
-  and per_stage on K accelerators.
+  Several replicas or processes (jax.distributed) take a ("data", "stage") mesh filled
+  process by process (`runtime.make_mesh`): each replica's stages stay in one process where
+  the processes have room for whole replicas, and a replica's stages spread over several
+  processes otherwise (e.g. one device per process and K stages: a pipeline across
+  processes, its messages crossing through collectives). Otherwise `engine`: "fused" runs
+  every stage in one program on one device; "per_stage" puts stage k on device k (when
+  there are K devices, else all on the first); "auto" is fused on CPU, where forced devices
+  share the host's cores (so stages apart gain nothing) and one program per call costs far
+  less host time, and per_stage on K accelerators.
   """
   devices = jax.devices()
   need = num_stages * num_replicas
   processes = jax.process_count()
   if num_replicas > 1 or processes > 1:
-    if num_replicas % processes:
-      raise ConfigError(
-          f"num_replicas={num_replicas} must be a multiple of the {processes} processes: each "
-          "process runs whole pipeline replicas")
     if len(devices) < need:
       raise ConfigError(
           f"num_replicas={num_replicas} x num_stages={num_stages} needs {need} devices, "
           f"found {len(devices)}; lower num_replicas or set --config.num_cpu_devices={need}")
-    return {"mesh": runtime.make_mesh(num_replicas, num_stages), "engine": "per_stage"}
+    mesh = runtime.make_mesh(num_replicas, num_stages)
+    idle = sorted(set(range(processes)) - {d.process_index for d in mesh.devices.flat})
+    if idle:
+      raise ConfigError(
+          f"processes {idle} hold none of the {need} devices of num_replicas={num_replicas} "
+          f"x num_stages={num_stages}; raise num_replicas or num_stages, or start fewer "
+          "processes (or give each fewer devices)")
+    return {"mesh": mesh, "engine": "per_stage"}
   if engine == "auto":
     apart = devices[0].platform != "cpu" and len(devices) >= num_stages > 1
     engine = "per_stage" if apart else "fused"
@@ -128,8 +135,13 @@ class Run:
   model_states: list | None
 
 
-def _process() -> dict:
-  return dict(process_index=jax.process_index(), process_count=jax.process_count())
+def _feeding(placement) -> dict:
+  """Which rows of every training batch this process reads: its block among the processes
+  feeding stage 0; a process that feeds nothing reads whole batches (only their shapes
+  and its position in the data are used)."""
+  feeder = placement.feeder()
+  index, count = feeder if feeder is not None else (0, 1)
+  return dict(process_index=index, process_count=count)
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -144,7 +156,11 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   model = create_model(config)
   validate_model(config, model)
 
-  train_iter, test_iter, shape, dtype, keys = _data(config)
+  placement = choose_placement(config.num_stages, config.num_replicas,
+                               config.get("engine", "auto"))
+  feeding = _feeding(fdg_jax.Placement.create(config.num_stages, devices=placement.get(
+      "devices"), mesh=placement.get("mesh")))
+  train_iter, test_iter, shape, dtype, keys = _data(config, feeding)
   steps_per_epoch = train_iter.steps_per_epoch
   total_steps = config.num_epochs * steps_per_epoch
   if config.max_steps > 0:
@@ -157,8 +173,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   params, model_states = fdg_jax.init_stages(stages, jax.random.PRNGKey(config.seed), x1)
   compute_dtype = precision.DTYPES[config.get("dtype", "float32")]
   stages = [precision.mixed_precision(s, compute_dtype) for s in stages]
-  schedule, lr = make_schedule(config, stages, steps_per_epoch)
-  rows = _local_rows(schedule, config.batch_size)
+  schedule, lr = make_schedule(config, stages, steps_per_epoch, placement)
+  rows = _local_rows(schedule, config.batch_size, feeding)
   label_shape = shape if config.dataset == TEXT_DATASET else ()
   example = (np.zeros((rows,) + shape, dtype), np.zeros((rows,) + label_shape, np.int32))
   return Run(config=config, workdir=workdir, model=model, boundaries=tuple(bounds),
@@ -168,15 +184,18 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              model_states=model_states)
 
 
-def _data(config):
-  """(training iterator, test iterator factory, input shape, input dtype, batch keys)."""
-  process = _process()
+def _data(config, feeding: dict):
+  """(training iterator, test iterator factory, input shape, input dtype, batch keys).
+
+  `feeding` (process_index, process_count) picks this process's rows of every training
+  batch; every process reads whole test batches (see `evaluate`).
+  """
   if config.dataset == TEXT_DATASET:
     from fdg_jax.data import text
     kwargs = dict(seq_len=config.seq_len, max_bytes=config.get("text_max_bytes", 0) or None)
     train_ds, test_ds = text.load_text("train", **kwargs), text.load_text("validation", **kwargs)
     make = lambda ds, bs, train: text.TextIterator(ds, bs, train=train, seed=config.seed,
-                                                   **process)
+                                                   **(feeding if train else {}))
     shape, dtype, keys = (config.seq_len,), np.int32, ("tokens", "targets")
     sizes = (train_ds.num_windows, "windows")
   else:
@@ -186,7 +205,7 @@ def _data(config):
     workers = config.get("data_workers", 0)
     make = lambda ds, bs, train: data_lib.BatchIterator(
         ds, bs, train=train, seed=config.seed if train else 0, drop_remainder=train,
-        workers=workers if train else 0, **process)
+        workers=workers if train else 0, **(feeding if train else {}))
     shape, dtype, keys = tuple(train_ds.image_shape), np.float32, ("image", "label")
     sizes = (train_ds.num_examples, "training examples")
   if config.batch_size > sizes[0]:
@@ -196,18 +215,24 @@ def _data(config):
   return make(train_ds, config.batch_size, True), test_iter, shape, dtype, keys
 
 
-def _local_rows(schedule, batch_size: int) -> int:
-  """The rows of each batch this process feeds (ConfigError if processes feed unevenly)."""
+def _local_rows(schedule, batch_size: int, feeding: dict) -> int:
+  """The rows of each batch this process passes (ConfigError if processes feed unevenly)."""
+  if schedule.placement.feeder() is None:
+    return batch_size  # whole batches, not read
   local = schedule.placement.local_batch_slice(batch_size)
   rows = local.stop - local.start
-  if rows != batch_size // jax.process_count() or local.start != jax.process_index() * rows:
+  index, count = feeding["process_index"], feeding["process_count"]
+  if batch_size % count or rows != batch_size // count or local.start != index * rows:
     raise ConfigError(f"this process feeds {rows} rows of each batch of {batch_size}; use "
-                      "as many replicas per process on every process")
+                      "as many replicas per process on every process holding stage 0, and a "
+                      "batch_size they divide")
   return rows
 
 
-def make_schedule(config, stages, steps_per_epoch: int):
-  """The config's schedule over `stages`, and its learning-rate schedule."""
+def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None = None):
+  """The config's schedule over `stages`, and its learning-rate schedule.
+
+  `placement`: `choose_placement`'s answer (computed here when None)."""
   lr = learning_rate_schedule(
       config.lr_schedule, config.learning_rate, steps_per_epoch=steps_per_epoch,
       num_epochs=config.num_epochs, warmup_epochs=config.warmup_epochs,
@@ -223,8 +248,8 @@ def make_schedule(config, stages, steps_per_epoch: int):
         momentum=config.momentum, weight_decay=config.weight_decay, hparams=hparams,
         optimizer=config.optimizer, nesterov=config.nesterov)
 
-  kwargs = choose_placement(config.num_stages, config.num_replicas,
-                            config.get("engine", "auto"))
+  kwargs = dict(placement or choose_placement(config.num_stages, config.num_replicas,
+                                              config.get("engine", "auto")))
   if config.algorithm == "fdg":
     kwargs["beta"] = config.beta
   if config.algorithm != "bp":
@@ -272,7 +297,7 @@ class Checkpointer:
   def save(self, step: int, state, data_state: dict, progress: dict) -> None:
     ocp = self._ocp
     self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        state=ocp.args.StandardSave(runtime_arrays.to_checkpoint(state)),
         data=ocp.args.JsonSave(data_state),
         progress=ocp.args.JsonSave(progress)), force=True)
     self.manager.wait_until_finished()
@@ -326,10 +351,11 @@ class Checkpointer:
   def restore(self, step: int, target_state):
     ocp = self._ocp
     restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target_state),
+        state=ocp.args.StandardRestore(runtime_arrays.checkpoint_target(target_state)),
         data=ocp.args.JsonRestore(),
         progress=ocp.args.JsonRestore()))
-    return restored["state"], restored["data"], restored["progress"]
+    state = runtime_arrays.from_checkpoint(restored["state"], target_state)
+    return state, restored["data"], restored["progress"]
 
   def close(self):
     self.manager.close()
@@ -341,20 +367,17 @@ def evaluate(schedule, state, iterator, keys=("image", "label")) -> dict:
 
   Labels may carry extra axes (a language model's [B, T] targets): every position counts,
   and the loss is the mean per position (tokens), with `test_perplexity` = exp(loss).
-  With several processes each feeds its rows of every batch; logits, labels and masks are
-  gathered so that every process computes the metrics of the whole test set.
+  With several processes every process reads whole test batches and feeds stage 0 its
+  rows of them; the logits are fetched to every process, so that each computes the
+  metrics of the whole test set.
   """
   total_loss = correct = count = 0.0
   per_token = False
   for batch in iterator:
-    logits = schedule.evaluate(state, batch[keys[0]])
-    labels = batch[keys[1]]
+    x = batch[keys[0]]
+    logits = runtime_arrays.fetch(schedule.evaluate(state, x[_fed_rows(schedule, len(x))]))
+    labels = np.asarray(batch[keys[1]])
     mask = batch.get("mask", np.ones(len(labels), np.float32))
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      logits, labels, mask = multihost_utils.process_allgather((logits, labels, mask),
-                                                               tiled=True)
-    labels = np.asarray(labels)
     per_token = labels.ndim > 1
     mask = np.broadcast_to(np.asarray(mask, np.float64).reshape(
         (-1,) + (1,) * (labels.ndim - 1)), labels.shape).reshape(-1)
@@ -371,23 +394,35 @@ def evaluate(schedule, state, iterator, keys=("image", "label")) -> dict:
   return out
 
 
+def _fed_rows(schedule, batch_size: int) -> slice:
+  """The rows of a whole batch this process passes to the schedule (all if it feeds none:
+  they give the shapes only)."""
+  placement = schedule.placement
+  if placement.feeder() is None:
+    return slice(None)
+  return placement.local_batch_slice(batch_size)
+
+
 def host_copy(tree):
-  """Host numpy copies of replicated arrays (also when they span several processes)."""
-  return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+  """Host numpy copies of a tree of arrays, in every process (wherever they live)."""
+  return runtime_arrays.fetch(tree)
 
 
-def _all_finite(tree) -> bool:
-  leaves = [a for a in jax.tree.leaves(tree)
-            if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact)]
-  return all(bool(jnp.all(jnp.isfinite(a))) for a in leaves)
+_FINITE = jax.jit(lambda tree: jnp.all(jnp.stack(
+    [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
+     if jnp.issubdtype(a.dtype, jnp.inexact)] + [jnp.bool_(True)])))
+
+
+def _finite_flags(trees) -> list[bool]:
+  """Whether each tree's floating arrays are all finite (each tree on one stage's devices);
+  one host read for all of them."""
+  return [bool(f) for f in host_copy([_FINITE(t) for t in trees])]
 
 
 def _nonfinite_stage(schedule, state) -> int | None:
   """The first stage whose parameters hold a NaN or infinity, or None."""
-  for k, p in enumerate(schedule.params(state)):
-    if not _all_finite(p):
-      return k
-  return None
+  flags = _finite_flags(schedule.params(state))
+  return next((k for k, ok in enumerate(flags) if not ok), None)
 
 
 def _nonfinite_part(schedule, state) -> str | None:
@@ -395,10 +430,13 @@ def _nonfinite_part(schedule, state) -> str | None:
   k = _nonfinite_stage(schedule, state)
   if k is not None:
     return f"stage {k}'s parameters"
-  for k, s in enumerate(state["stages"]):
-    if not _all_finite(s):
-      return f"stage {k}'s optimizer state or stash"
-  if not _all_finite(state["inbox"]):
+  boxes = [box for box in (state["inbox"] or []) if jax.tree.leaves(box)]
+  flags = _finite_flags(list(state["stages"]) + boxes)
+  K = len(state["stages"])
+  k = next((k for k, ok in enumerate(flags[:K]) if not ok), None)
+  if k is not None:
+    return f"stage {k}'s optimizer state or stash"
+  if not all(flags[K:]):
     return "a message between stages"
   return None
 
@@ -639,7 +677,7 @@ class TrainingLoop:
     if not self.pending:
       return
     pending, self.pending = self.pending, []
-    got = jax.device_get([(m["loss"], m["accuracy"], m["valid"]) for m in pending])
+    got = host_copy([(m["loss"], m["accuracy"], m["valid"]) for m in pending])
     ticks = np.concatenate([np.asarray(m["tick"]) for m in pending])
     valid = np.concatenate([np.asarray(v, bool).reshape(-1) for _, _, v in got])
     losses = np.concatenate([np.asarray(l, np.float64).reshape(-1) for l, _, _ in got])[valid]
