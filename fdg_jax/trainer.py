@@ -285,6 +285,8 @@ class Checkpointer:
   def __init__(self, directory: str, max_to_keep: int = 2):
     import orbax.checkpoint as ocp
     self._ocp = ocp
+    if jax.process_count() > 1:
+      runtime_arrays.single_replica_writes()
     self.directory = os.path.abspath(directory)
     self.manager = ocp.CheckpointManager(
         self.directory,

@@ -8,7 +8,8 @@ its devices only; the others see them without shards. Two things then need care:
 - `to_checkpoint` / `from_checkpoint`: orbax refuses, in a multi-process run, an array
   that one process holds entirely (it takes it for a per-host array). Such an array is
   checkpointed as a view replicated over its own devices plus one device of another
-  process, holding zeros there; the owner's copy is the one orbax writes (replica 0).
+  process, holding zeros there; the owner's copy is the one orbax writes (replica 0,
+  with orbax's replica-parallel writing turned off by `single_replica_writes`).
 
 Every process must call these with the same tree, in the same order: what each one does
 is decided from the shardings alone (known alike everywhere), and they meet in
@@ -95,6 +96,14 @@ def _view_sharding(a) -> NamedSharding:
   owner = devices[0].process_index
   return NamedSharding(Mesh(np.asarray([devices[0], _ghost_device(owner)], dtype=object),
                             ("copy",)), P())
+
+
+def single_replica_writes() -> None:
+  """Makes orbax write each replicated array from its replica 0 alone (its default on CPU
+  and TPU splits the writing over the replicas, which would write a view's zeros)."""
+  import orbax.checkpoint as ocp
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
 
 
 def to_checkpoint(tree):
