@@ -1,12 +1,21 @@
-"""DP x FDG across two real JAX processes on localhost == the same mesh in one process.
+"""Schedules across two real JAX processes on localhost == the same mesh in one process.
 
 The test launches this file twice as a worker (`python -m fdg_jax.launch`'s `launch`, which
 stops both on failure or timeout). Each worker joins the run through
 `fdg_jax.runtime.initialize()` (jax.distributed + gloo CPU collectives), holds 2 CPU devices
-of the global (data=2, stage=2) mesh (one replica's two stages), feeds only its half of every
-global batch, and writes the trained parameters to an .npz. Stage-to-stage moves are then
-the shard-by-shard local moves of `Placement`, and the gradient/BatchNorm reductions over
-the data axis cross the process boundary.
+of a global (data=2, stage=2) mesh, and writes the trained parameters to an .npz. Two
+layouts of that mesh:
+
+- "replicas": each process holds one replica's two stages and feeds its half of every
+  global batch. Stage-to-stage moves are the shard-by-shard local moves of `Placement`; the
+  gradient/BatchNorm reductions over the data axis cross the process boundary.
+- "pipeline": each process holds one stage of both replicas (the mesh transposed), so
+  every activation and cotangent crosses the process boundary (`placement.exchange`);
+  process 0 feeds whole batches, process 1 feeds none.
+
+Each layout trains through `step` and through `run`; the values are fetched to every
+process with `runtime.arrays.fetch`, and a checkpoint view of the final state goes
+through orbax and back unchanged.
 """
 
 import os
@@ -20,21 +29,50 @@ NUM_TICKS = 6
 BATCH = 8
 
 
-def train(algorithm, mesh):
+def train(algorithm, mesh, path="step"):
   """Trains the 2-stage BN toy model on `mesh`, each process feeding its rows of the batch."""
   import optax
 
   import fdg_jax
+  from fdg_jax.runtime import arrays
   from toy_models import batches, loss_fn, make_model
 
   applies, params, states = make_model("bn", 2)
   sched = fdg_jax.create(algorithm, [fdg_jax.Stage(apply=a) for a in applies], loss_fn,
                          optax.sgd(0.05, 0.9), mesh=mesh)
   state = sched.init(params, states)
-  rows = sched.placement.local_batch_slice(BATCH)
-  for x, y in batches(NUM_TICKS, batch_size=BATCH):
-    state, _ = sched.step(state, (np.asarray(x)[rows], np.asarray(y)[rows]))
-  return flat(sched.params(state), sched.model_states(state), prefix=algorithm)
+  feeds = sched.placement.feeder() is not None
+  rows = sched.placement.local_batch_slice(BATCH) if feeds else slice(None)
+  data = [(np.asarray(x)[rows], np.asarray(y)[rows])
+          for x, y in batches(NUM_TICKS, batch_size=BATCH)]
+  if path == "run":
+    state, _ = sched.run(state, tuple(np.stack(column) for column in zip(*data)))
+  else:
+    for b in data:
+      state, _ = sched.step(state, b)
+  values = arrays.fetch((sched.params(state), sched.model_states(state)))
+  return flat(*values, prefix=f"{algorithm}/{path}"), state
+
+
+def checkpoint_round_trip(state, directory):
+  """The state saved through its checkpoint views and restored: equal, where it was."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  from fdg_jax.runtime import arrays
+  arrays.single_replica_writes()
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(directory, arrays.to_checkpoint(state), force=True)
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                        if isinstance(a, jax.Array) else a, state)
+  restored = arrays.from_checkpoint(
+      checkpointer.restore(directory, arrays.checkpoint_target(target)), target)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    if isinstance(a, jax.Array):
+      assert a.sharding == b.sharding
+      for x, y in zip(a.addressable_shards, b.addressable_shards):
+        np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data))
 
 
 def flat(params, states, prefix):
@@ -57,19 +95,18 @@ def worker(out_dir):
   assert runtime.initialize()
   assert jax.process_count() == 2 and len(jax.local_devices()) == 2, jax.devices()
   mesh = runtime.make_mesh(2, 2)
-  # Each replica (mesh row) lies in one process: the case the local move serves.
+  # "replicas": each replica (mesh row) lies in one process; "pipeline": each row spans both.
   assert all(len({d.process_index for d in row}) == 1 for row in mesh.devices)
-  # A pipeline across processes (stage 0 in one, stage 1 in the other) is refused up front.
-  try:
-    fdg_jax.Placement.create(2, mesh=Mesh(mesh.devices.T, mesh.axis_names))
-  except ValueError as e:
-    assert "one process" in str(e)
-  else:
-    raise AssertionError("a mesh whose rows span processes was accepted")
-  results = {}
-  for algorithm in ALGORITHMS:
-    results.update(train(algorithm, mesh))
-  np.savez(os.path.join(out_dir, f"params_{jax.process_index()}.npz"), **results)
+  layouts = {"replicas": mesh, "pipeline": Mesh(mesh.devices.T, mesh.axis_names)}
+  assert fdg_jax.Placement.create(2, mesh=layouts["pipeline"]).spans_processes
+  for layout, m in layouts.items():
+    results = {}
+    for algorithm in ALGORITHMS:
+      for path in ("step", "run"):
+        values, state = train(algorithm, m, path)
+        results.update(values)
+    checkpoint_round_trip(state, os.path.join(out_dir, f"ckpt_{layout}"))
+    np.savez(os.path.join(out_dir, f"{layout}_{jax.process_index()}.npz"), **results)
 
 
 def test_two_processes_equal_one_process(tmp_path):
@@ -86,12 +123,15 @@ def test_two_processes_equal_one_process(tmp_path):
   assert status == 0, f"workers exited with {status} (their output is in the captured stdout)"
   expected = {}
   for algorithm in ALGORITHMS:
-    expected.update(train(algorithm, runtime.make_mesh(2, 2)))
-  for process in (0, 1):
-    got = np.load(tmp_path / f"params_{process}.npz")
-    assert sorted(got.files) == sorted(expected)
-    for name, value in expected.items():
-      np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0, err_msg=name)
+    for path in ("step", "run"):
+      expected.update(train(algorithm, runtime.make_mesh(2, 2), path)[0])
+  for layout in ("replicas", "pipeline"):
+    for process in (0, 1):
+      got = np.load(tmp_path / f"{layout}_{process}.npz")
+      assert sorted(got.files) == sorted(expected)
+      for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0,
+                                   err_msg=f"{layout}, process {process}: {name}")
 
 
 if __name__ == "__main__":

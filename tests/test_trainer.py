@@ -309,6 +309,35 @@ def test_two_processes_train_like_one(tmp_path):
   assert multi[0]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
 
 
+def test_pipeline_across_processes_trains_and_resumes_like_one_process(tmp_path):
+  """train.py under `python -m fdg_jax.launch --num-processes 2 --cpu-devices 1`, K=2, R=1:
+  stage 0 in one process, stage 1 in the other (every message crosses the processes, the
+  checkpoints hold arrays each process owns alone). Stopped at step 20 (checkpointed)
+  and resumed, it ends where the run of the same config on 2 devices of one process ends.
+  """
+  c = _dp_config(num_replicas=1, algorithm="fdg")
+  c.checkpoint_every_steps = 10
+  single = trainer.train_and_evaluate(c, str(tmp_path / "single"))
+  cmd = [sys.executable, "-m", "fdg_jax.launch", "--num-processes", "2", "--cpu-devices", "1",
+         "--timeout", "240", "--", sys.executable, str(ROOT / "train.py"),
+         "--config", str(ROOT / "configs/default.py"), "--workdir", str(tmp_path / "multi"),
+         "--config.progress_bar=False", "--config.num_replicas=1", "--config.num_stages=2",
+         "--config.num_epochs=1", "--config.batch_size=64", "--config.eval_batch_size=128",
+         "--config.checkpoint_every_steps=10", "--config.learning_rate=0.1",
+         "--config.warmup_epochs=0", "--config.lr_schedule=constant",
+         "--config.model_kwargs.widths=(16,16)"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  for extra in (["--config.max_steps=20"], []):
+    p = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=300,
+                       cwd=str(ROOT), env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  assert "[0] resumed from step 20" in p.stdout and "[1] resumed from step 20" in p.stdout
+  multi = read_metrics(tmp_path / "multi")
+  assert multi[-1]["step"] == single["steps"]
+  assert abs(multi[-1]["test_loss"] - single["test_loss"]) < 1e-5
+  assert multi[-1]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
+
+
 def _truncate_largest_file(checkpoint_dir):
   largest = max((p for p in checkpoint_dir.rglob("*") if p.is_file()),
                 key=lambda p: p.stat().st_size)
