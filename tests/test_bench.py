@@ -221,3 +221,19 @@ def test_one_cli_runs_every_benchmark(capsys):
   rates = [float(l.split("median")[1].split()[0].replace(",", ""))
            for l in capsys.readouterr().out.splitlines() if "images/s" in l]
   assert len(rates) == 2 and all(r > 0 for r in rates)
+
+
+def test_processes_benchmark_times_a_pipeline_across_two_processes(tmp_path, capsys):
+  """`bench processes` launches two processes and one, and reports every figure."""
+  from fdg_jax.bench.__main__ import main
+  out = tmp_path / "processes.json"
+  assert main(["processes", "--ticks", "3", "--repeats", "1", "--width", "32",
+               "--out", str(out)]) == 0
+  figures = json.loads(out.read_text())
+  assert figures["two_processes"]["processes"] == 2
+  assert figures["one_process"]["processes"] == 1
+  for run in ("one_process", "two_processes"):
+    values = (list(figures[run]["exchange_ms"].values())
+              + list(figures[run]["tick_ms"].values()))
+    assert len(values) == 6 and all(_positive_finite(v) for v in values)
+  assert "ratio" in capsys.readouterr().out

@@ -3,6 +3,7 @@
   throughput, overhead, dispatch, memory, speedup, all   the schedules (`schedules`)
   concurrency   host dispatch vs device time per tick, overlap of the stages (`concurrency`)
   data          input pipeline images/s (`data`)
+  processes     a pipeline across two processes: message and tick cost (`processes`)
 
 Results: JSON next to the printed tables (--out), written up in docs/results.md.
 """
