@@ -187,22 +187,7 @@ class Placement:
     if jax.process_count() == 1:
       return put_local(tree, shardings)
     leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
-    out = [None] * len(leaves)
-    moving = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array) and a.committed]
-    for i, m in zip(moving, move_tree([leaves[i] for i in moving],
-                                      [targets[i] for i in moving])):
-      out[i] = m
-    for i, (a, s) in enumerate(zip(leaves, targets)):
-      if out[i] is not None:
-        continue
-      if np.ndim(a) == 0:
-        out[i] = _put_replicated(a, s)
-      elif not _holds(s):
-        out[i] = _no_shards(np.shape(a), np.asarray(a).dtype, s)
-      else:
-        out[i] = jax.make_array_from_process_local_data(s, np.asarray(a))
-    return treedef.unflatten(out)
+    return treedef.unflatten(_put_global(leaves, treedef.flatten_up_to(shardings)))
 
   def put_replicated(self, k: int, tree):
     """Moves device arrays to stage k's devices, replicated there (like its state)."""
@@ -213,12 +198,35 @@ class Placement:
     return treedef.unflatten(move_tree(leaves, [sharding] * len(leaves)))
 
   def put_batches(self, messages):
-    """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible."""
+    """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible
+    (in a multi-process run, one collective per pair of device sets crossed)."""
     messages = list(messages)
+    shardings = [self.message_shardings(k, tree) for k, tree in messages]
+    trees = [tree for _, tree in messages]
     if jax.process_count() == 1:
-      shardings = [self.message_shardings(k, tree) for k, tree in messages]
-      return put_local([tree for _, tree in messages], shardings)
-    return [self.put_batch(k, tree) for k, tree in messages]
+      return put_local(trees, shardings)
+    leaves, treedef = jax.tree.flatten(trees)
+    return treedef.unflatten(_put_global(leaves, treedef.flatten_up_to(shardings)))
+
+
+def _put_global(leaves: list, targets: list) -> list:
+  """`put_batch`'s leaves in a multi-process run: device arrays moved (`move_tree`), host
+  data assembled from this process's rows (or shapes only where it holds no device)."""
+  out: list = [None] * len(leaves)
+  moving = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array) and a.committed]
+  for i, m in zip(moving, move_tree([leaves[i] for i in moving],
+                                    [targets[i] for i in moving])):
+    out[i] = m
+  for i, (a, s) in enumerate(zip(leaves, targets)):
+    if out[i] is not None:
+      continue
+    if np.ndim(a) == 0:
+      out[i] = _put_replicated(a, s)
+    elif not _holds(s):
+      out[i] = _no_shards(np.shape(a), np.asarray(a).dtype, s)
+    else:
+      out[i] = jax.make_array_from_process_local_data(s, np.asarray(a))
+  return out
 
 
 def put_local(tree, shardings):
@@ -306,8 +314,9 @@ def move_tree(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Shar
     if a.sharding.is_fully_addressable and s.is_fully_addressable:
       out[i] = jax.device_put(a, s)
     elif _crosses(a.sharding, s):
-      key = (tuple(_devices(a.sharding)), tuple(_devices(s)))
-      groups.setdefault(key, []).append(i)
+      ends = sorted([tuple(_devices(a.sharding)), tuple(_devices(s))],
+                    key=lambda ds: [d.id for d in ds])
+      groups.setdefault(tuple(ends), []).append(i)
     else:
       out[i] = move_shards(a, s)
   for idx in groups.values():
@@ -348,47 +357,48 @@ EXCHANGE_AXES = ("side", DATA_AXIS)
 def exchange(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> list:
   """Moves arrays between two sets of devices in different processes through a collective.
 
-  All arrays share one source layout (a stage's devices) and one target (another stage's,
-  as many devices, disjoint). One jitted `shard_map` over the (2, R) mesh ("side": source
-  row, target row; "data": the replicas) sends every source device's block to the target
-  device at its position with `lax.ppermute` along "side". A batch-sharded leaf (rows over
-  "data") is seen as a (2B, ...) array whose blocks are the source shards and zero blocks
-  on the target side; a replicated leaf (a scalar) keeps its shape with spec P() (the
+  Every array moves from one device set (a stage's devices) to the other (another stage's:
+  as many devices, disjoint), in either direction: activations up and cotangents down
+  travel in the same call. One jitted `shard_map` over the (2, R) mesh ("side": the two
+  sets; "data": the replicas) sends each array's blocks to the devices at the same
+  positions on the other side with `lax.ppermute` along "side". A batch-sharded leaf (rows
+  over "data") is seen as a (2B, ...) array whose blocks are its shards on its side and
+  zero blocks on the other; a replicated leaf (a scalar) keeps its shape with spec P() (the
   program checks no replication: each device's block is its own). Processes holding
-  source or target devices run the program (every one of them must call this); the
-  others get the arrays without shards.
+  devices of either set run the program (every one of them must call this with the same
+  arrays); the others get the arrays without shards.
   """
-  src, dst = arrays[0].sharding, shardings[0]
-  src_devices, dst_devices = _devices(src), _devices(dst)
-  for a, s in zip(arrays, shardings):
-    if _devices(a.sharding) != src_devices or _devices(s) != dst_devices:
-      raise ValueError("exchange moves arrays between one pair of device sets")
+  sides = sorted({tuple(_devices(a.sharding)) for a in arrays}
+                 | {tuple(_devices(s)) for s in shardings}, key=lambda ds: [d.id for d in ds])
+  if len(sides) != 2 or set(sides[0]) & set(sides[1]) or len(sides[0]) != len(sides[1]):
+    raise ValueError("exchange moves arrays between two disjoint sets of as many devices")
+  for a in arrays:
     if not (a.sharding.is_fully_replicated or _row_sharded(a.sharding, a.ndim)):
       raise ValueError(f"exchange moves replicated or row-sharded arrays, not {a.sharding}")
-    if set(src_devices) & set(dst_devices) or len(src_devices) != len(dst_devices):
-      raise ValueError("exchange needs disjoint source and target devices of equal number")
   me = jax.process_index()
-  if not any(d.process_index == me for d in src_devices + dst_devices):
+  if not any(d.process_index == me for d in sides[0] + sides[1]):
     return [_no_shards(a.shape, a.dtype, s) for a, s in zip(arrays, shardings)]
-  mesh = Mesh(np.asarray([src_devices, dst_devices], dtype=object), EXCHANGE_AXES)
-  specs, inputs = [], []
+  mesh = Mesh(np.asarray(sides, dtype=object), EXCHANGE_AXES)
+  specs, directions, inputs = [], [], []
   for a in arrays:
+    source = 0 if tuple(_devices(a.sharding)) == sides[0] else 1
     replicated = a.sharding.is_fully_replicated
     spec = P() if replicated else P(EXCHANGE_AXES)
-    shape = a.shape if replicated else (2 * a.shape[0],) + a.shape[1:]
-    block = a.shape if replicated else (a.shape[0] // len(src_devices),) + a.shape[1:]
+    block = a.shape if replicated else (a.shape[0] // len(sides[0]),) + a.shape[1:]
     local = {shard.device: shard.data for shard in a.addressable_shards}
-    blocks = [local[d] for d in src_devices if d.process_index == me]
-    blocks += [_zero_block(block, a.dtype, d) for d in dst_devices if d.process_index == me]
+    blocks = [local[d] if side == source else _zero_block(block, a.dtype, d)
+              for side in (0, 1) for d in sides[side] if d.process_index == me]
+    shape = a.shape if replicated else (2 * a.shape[0],) + a.shape[1:]
     specs.append(spec)
+    directions.append(source)
     inputs.append(jax.make_array_from_single_device_arrays(
         shape, NamedSharding(mesh, spec), blocks, dtype=a.dtype))
-  outputs = _exchange_fn(mesh, tuple(specs))(*inputs)
+  outputs = _exchange_fn(mesh, tuple(specs), tuple(directions))(*inputs)
   moved = []
-  for a, s, o in zip(arrays, shardings, outputs):
+  for a, s, o, source in zip(arrays, shardings, outputs, directions):
     received = {shard.device: shard.data for shard in o.addressable_shards}
     moved.append(jax.make_array_from_single_device_arrays(
-        a.shape, s, [received[d] for d in dst_devices if d.process_index == me],
+        a.shape, s, [received[d] for d in sides[1 - source] if d.process_index == me],
         dtype=a.dtype))
   return moved
 
@@ -403,11 +413,13 @@ _EXCHANGE_FNS: dict = {}
 _ZERO_BLOCKS: dict = {}
 
 
-def _exchange_fn(mesh: Mesh, specs: tuple):
-  key = (tuple(mesh.devices.reshape(-1)), specs)
+def _exchange_fn(mesh: Mesh, specs: tuple, directions: tuple):
+  """The jitted exchange program: block b goes from side directions[b] to the other."""
+  key = (tuple(mesh.devices.reshape(-1)), specs, directions)
   if key not in _EXCHANGE_FNS:
     def send(*blocks):
-      return tuple(jax.lax.ppermute(b, "side", [(0, 1)]) for b in blocks)
+      return tuple(jax.lax.ppermute(b, "side", [(d, 1 - d)])
+                   for b, d in zip(blocks, directions))
     _EXCHANGE_FNS[key] = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=specs,
                                                out_specs=specs, check_vma=False))
   return _EXCHANGE_FNS[key]
