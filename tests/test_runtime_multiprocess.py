@@ -13,6 +13,8 @@ layouts of that mesh:
   every activation and cotangent crosses the process boundary (`placement.exchange`);
   process 0 feeds whole batches, process 1 feeds none.
 
+A third case passes `devices=` with one device of each process (FDG, R=1).
+
 Each layout trains through `step` and through `run`; the values are fetched to every
 process with `runtime.arrays.fetch`, and a checkpoint view of the final state goes
 through orbax and back unchanged.
@@ -30,7 +32,8 @@ BATCH = 8
 
 
 def train(algorithm, mesh, path="step"):
-  """Trains the 2-stage BN toy model on `mesh`, each process feeding its rows of the batch."""
+  """Trains the 2-stage BN toy model on `mesh` (or a list of 2 devices), each process
+  feeding its rows of the batch."""
   import optax
 
   import fdg_jax
@@ -38,8 +41,9 @@ def train(algorithm, mesh, path="step"):
   from toy_models import batches, loss_fn, make_model
 
   applies, params, states = make_model("bn", 2)
+  where = {"devices": mesh} if isinstance(mesh, list) else {"mesh": mesh}
   sched = fdg_jax.create(algorithm, [fdg_jax.Stage(apply=a) for a in applies], loss_fn,
-                         optax.sgd(0.05, 0.9), mesh=mesh)
+                         optax.sgd(0.05, 0.9), **where)
   state = sched.init(params, states)
   feeds = sched.placement.feeder() is not None
   rows = sched.placement.local_batch_slice(BATCH) if feeds else slice(None)
@@ -107,6 +111,11 @@ def worker(out_dir):
         results.update(values)
     checkpoint_round_trip(state, os.path.join(out_dir, f"ckpt_{layout}"))
     np.savez(os.path.join(out_dir, f"{layout}_{jax.process_index()}.npz"), **results)
+  # A device list whose devices lie in different processes: one stage per process.
+  devices = [mesh.devices[0, 0], mesh.devices[1, 0]]
+  assert devices[0].process_index != devices[1].process_index
+  values, _ = train("fdg", devices, "run")
+  np.savez(os.path.join(out_dir, f"devices_{jax.process_index()}.npz"), **values)
 
 
 def test_two_processes_equal_one_process(tmp_path):
@@ -132,6 +141,12 @@ def test_two_processes_equal_one_process(tmp_path):
       for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0,
                                    err_msg=f"{layout}, process {process}: {name}")
+  one_batch = train("fdg", jax.devices()[:1] * 2, "run")[0]  # R=1: one replica's batch
+  for process in (0, 1):
+    got = np.load(tmp_path / f"devices_{process}.npz")
+    assert sorted(got.files) == sorted(one_batch)
+    for name, value in one_batch.items():
+      np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0, err_msg=name)
 
 
 if __name__ == "__main__":
