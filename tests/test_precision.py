@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 import pytest
 
 import fdg_jax
@@ -76,3 +77,42 @@ def test_float32_is_the_stage_itself_and_integers_pass_through():
   tree = {"f": jnp.ones(2), "i": jnp.arange(2)}
   cast = precision.cast_floating(tree, jnp.bfloat16)
   assert cast["f"].dtype == jnp.bfloat16 and cast["i"].dtype == tree["i"].dtype
+
+
+class _NormBlock(nn.Module):
+  """Dense -> BatchNorm -> ReLU -> Dense -> LayerNorm: Flax's normalisation layers upcast
+  their input to float32 for the statistics."""
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Dense(32)(x)))
+    return nn.LayerNorm()(nn.Dense(32)(x))
+
+
+def _norm_schedule(dtype, **kwargs):
+  stages = [fdg_jax.Stage.from_linen(_NormBlock()), fdg_jax.Stage.from_linen(nn.Dense(4))]
+  params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), jnp.zeros((1, 6)))
+  stages = [precision.mixed_precision(s, dtype, **kwargs) for s in stages]
+  sched = fdg_jax.fdg(stages, precision.float32_loss(loss_fn), optax.sgd(0.1, momentum=0.5))
+  return sched, params, states
+
+
+def test_normalisation_layers_leave_no_float32_residuals():
+  """With Flax's BatchNorm and LayerNorm the bfloat16 stash is at most half the float32 one
+  (their float32 statistics paths are recomputed in the backward), where plain autodiff
+  keeps float32 copies of the activations. The training is the same up to bfloat16
+  rounding (a recomputed float32 value may round differently once cast back: XLA fuses
+  the forward and the recomputation differently)."""
+  data = [(x, y % 4) for x, y in batches(6, batch_size=16)]
+  sizes, params = {}, {}
+  for name, dtype, kwargs in (("f32", jnp.float32, {}), ("bf16", jnp.bfloat16, {}),
+                              ("bf16 keep", jnp.bfloat16, {"keep_float32_residuals": True})):
+    sched, p, s = _norm_schedule(dtype, **kwargs)
+    p, _, _, state = run_schedule(sched, p, s, data)
+    sizes[name] = sched.stash_bytes(state)[0] - 4 * sched.ring_sizes[0]
+    params[name] = p
+  assert sizes["bf16"] <= 0.5 * sizes["f32"], sizes
+  assert sizes["bf16 keep"] > 0.6 * sizes["f32"], sizes  # what the policy removes
+  for a, b, c in zip(*(jax.tree.leaves(params[n]) for n in ("bf16", "bf16 keep", "f32"))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3, rtol=0)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=ATOL, rtol=0)
