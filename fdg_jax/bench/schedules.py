@@ -58,6 +58,7 @@ PRESETS = {
     "resnet56": ("resnet56", {}, None, 128),
     "mlp_digits": ("mlp", {"widths": (128, 128, 128, 128)}, (8, 8, 1), 32),  # the quick start
     "mlp_bench": ("mlp", {"widths": (1024, 1024, 1024, 1024)}, (1024,), 128),  # the default
+    "vit": ("vit", {}, None, 32),                   # CIFAR-sized ViT (LayerNorm)
 }
 # The default benchmark model: four equal 1024-wide dense blocks (and a small head) on
 # 1024-dim inputs, so that a balanced split into 2 or 4 stages is exact and the speed-up
@@ -777,7 +778,7 @@ def parse_args(argv=None):
   parser.add_argument("--paths", nargs="+", default=["run", "step"], choices=("run", "step"),
                       help="how overhead and dispatch call the schedule")
   parser.add_argument("--run_ticks", type=int, default=32, help="T of each run call")
-  parser.add_argument("--presets", nargs="+", default=["resnet20", "mlp_digits"],
+  parser.add_argument("--presets", nargs="+", default=["resnet20", "mlp_digits", "vit"],
                       choices=sorted(PRESETS), help="memory benchmark models")
   parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 16],
                       help="M of the GPipe model")
