@@ -289,24 +289,35 @@ def test_data_parallel_replicas_match_one_replica(tmp_path):
   assert abs(one["test_loss"] - two["test_loss"]) < 1e-5
 
 
-def test_two_processes_train_like_one(tmp_path):
-  """train.py under `python -m fdg_jax.launch` (2 processes x 2 CPU devices, R=2, K=2)."""
-  single = trainer.train_and_evaluate(_dp_config(num_replicas=2), str(tmp_path / "single"))
-  cmd = [sys.executable, "-m", "fdg_jax.launch", "--num-processes", "2", "--cpu-devices", "2",
-         "--timeout", "240", "--", sys.executable, str(ROOT / "train.py"),
-         "--config", str(ROOT / "configs/default.py"), "--workdir", str(tmp_path / "multi"),
-         "--config.progress_bar=False", "--config.num_replicas=2", "--config.num_stages=2",
-         "--config.num_epochs=1", "--config.batch_size=64", "--config.eval_batch_size=128",
-         "--config.checkpoint_every_steps=1000", "--config.learning_rate=0.1",
+def _launch_train(workdir, cpu_devices: int, num_replicas: int, *flags):
+  """train.py on `_dp_config`'s settings as 2 processes (`python -m fdg_jax.launch`)."""
+  cmd = [sys.executable, "-m", "fdg_jax.launch", "--num-processes", "2", "--cpu-devices",
+         str(cpu_devices), "--timeout", "240", "--", sys.executable, str(ROOT / "train.py"),
+         "--config", str(ROOT / "configs/default.py"), "--workdir", str(workdir),
+         "--config.progress_bar=False", f"--config.num_replicas={num_replicas}",
+         "--config.num_stages=2", "--config.num_epochs=1", "--config.batch_size=64",
+         "--config.eval_batch_size=128", "--config.learning_rate=0.1",
          "--config.warmup_epochs=0", "--config.lr_schedule=constant",
-         "--config.model_kwargs.widths=(16,16)"]
+         "--config.model_kwargs.widths=(16,16)", *flags]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-  multi = read_metrics(tmp_path / "multi")
-  assert len(multi) == 1 and multi[0]["step"] == single["steps"]
-  assert abs(multi[0]["test_loss"] - single["test_loss"]) < 1e-5
-  assert multi[0]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
+  return p
+
+
+def _ends_alike(workdir, single):
+  multi = read_metrics(workdir)
+  assert multi[-1]["step"] == single["steps"]
+  assert abs(multi[-1]["test_loss"] - single["test_loss"]) < 1e-5
+  assert multi[-1]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
+  return multi
+
+
+def test_two_processes_train_like_one(tmp_path):
+  """train.py under `python -m fdg_jax.launch` (2 processes x 2 CPU devices, R=2, K=2)."""
+  single = trainer.train_and_evaluate(_dp_config(num_replicas=2), str(tmp_path / "single"))
+  _launch_train(tmp_path / "multi", 2, 2, "--config.checkpoint_every_steps=1000")
+  assert len(_ends_alike(tmp_path / "multi", single)) == 1
 
 
 def test_pipeline_across_processes_trains_and_resumes_like_one_process(tmp_path):
@@ -318,24 +329,11 @@ def test_pipeline_across_processes_trains_and_resumes_like_one_process(tmp_path)
   c = _dp_config(num_replicas=1, algorithm="fdg")
   c.checkpoint_every_steps = 10
   single = trainer.train_and_evaluate(c, str(tmp_path / "single"))
-  cmd = [sys.executable, "-m", "fdg_jax.launch", "--num-processes", "2", "--cpu-devices", "1",
-         "--timeout", "240", "--", sys.executable, str(ROOT / "train.py"),
-         "--config", str(ROOT / "configs/default.py"), "--workdir", str(tmp_path / "multi"),
-         "--config.progress_bar=False", "--config.num_replicas=1", "--config.num_stages=2",
-         "--config.num_epochs=1", "--config.batch_size=64", "--config.eval_batch_size=128",
-         "--config.checkpoint_every_steps=10", "--config.learning_rate=0.1",
-         "--config.warmup_epochs=0", "--config.lr_schedule=constant",
-         "--config.model_kwargs.widths=(16,16)"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  for extra in (["--config.max_steps=20"], []):
-    p = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=300,
-                       cwd=str(ROOT), env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  every = "--config.checkpoint_every_steps=10"
+  _launch_train(tmp_path / "multi", 1, 1, every, "--config.max_steps=20")
+  p = _launch_train(tmp_path / "multi", 1, 1, every)
   assert "[0] resumed from step 20" in p.stdout and "[1] resumed from step 20" in p.stdout
-  multi = read_metrics(tmp_path / "multi")
-  assert multi[-1]["step"] == single["steps"]
-  assert abs(multi[-1]["test_loss"] - single["test_loss"]) < 1e-5
-  assert multi[-1]["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
+  _ends_alike(tmp_path / "multi", single)
 
 
 def _truncate_largest_file(checkpoint_dir):
