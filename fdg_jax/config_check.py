@@ -5,6 +5,11 @@ from __future__ import annotations
 from fdg_jax.schedules import ALGORITHMS, BACKWARD_POLICIES
 
 
+def _process_count() -> int:
+  import jax
+  return jax.process_count()
+
+
 TEXT_DATASET = "stdlib_text"  # byte-level corpus of the Python standard library (offline)
 
 
@@ -136,6 +141,9 @@ def _validate_staleness(config) -> None:
   if every and config.num_replicas > 1:
     _fail("staleness telemetry measures one pipeline: use --config.num_replicas=1 or "
           "--config.telemetry_every_steps=0")
+  if every and _process_count() > 1:
+    _fail("staleness telemetry runs in single-process runs only: use "
+          "--config.telemetry_every_steps=0 under several processes")
 
 
 def num_classes(dataset: str) -> int:

@@ -503,3 +503,13 @@ def test_data_workers_train_bitwise_alike(tmp_path):
       tiny_config(algorithm="fdg", num_epochs=1, data_workers=w), str(tmp_path / f"w{w}"))
       for w in (0, 2)]
   assert _params_equal(runs[0]["params"], runs[1]["params"])
+
+
+def test_telemetry_under_several_processes_is_refused_up_front(monkeypatch):
+  from fdg_jax import config_check
+  c = tiny_config(telemetry_every_steps=5)
+  trainer.validate(c)  # one process: fine
+  monkeypatch.setattr(config_check, "_process_count", lambda: 2)
+  with pytest.raises(trainer.ConfigError, match="single-process runs only") as e:
+    trainer.validate(c)
+  assert "\n" not in str(e.value)
