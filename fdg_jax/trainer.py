@@ -137,8 +137,7 @@ class Run:
 
 def _feeding(placement) -> dict:
   """Which rows of every training batch this process reads: its block among the processes
-  feeding stage 0; a process that feeds nothing reads whole batches (only their shapes
-  and its position in the data are used)."""
+  feeding stage 0 (a process that feeds nothing reads none: `next_batches`)."""
   feeder = placement.feeder()
   index, count = feeder if feeder is not None else (0, 1)
   return dict(process_index=index, process_count=count)
@@ -653,10 +652,14 @@ class TrainingLoop:
   def next_batches(self, num_ticks: int):
     """`num_ticks` training batches in buffers of length ticks_per_call (one compiled
     program whatever num_ticks); fresh buffers every call, as a device may still read
-    (or, on CPU, alias) the last ones."""
+    (or, on CPU, alias) the last ones. A process that holds none of stage 0's devices
+    passes zeros of the batch's shape and reads no data (process 0 always feeds, and
+    its data position is the one checkpointed)."""
     x, y = self.run.example
     xs = np.zeros((self.ticks_per_call,) + x.shape, x.dtype)
     ys = np.zeros((self.ticks_per_call,) + y.shape, y.dtype)
+    if self.schedule.placement.feeder() is None:
+      return xs, ys
     for i in range(num_ticks):
       row = next(self.run.train_iter)
       xs[i], ys[i] = row[self.run.batch_keys[0]], row[self.run.batch_keys[1]]
