@@ -149,6 +149,9 @@ def main(argv=None) -> int:
                       help="also FDG K=8 with this staleness method, METHOD[:field=value,...] "
                            "(lr_by_delay: lr/d_k without ramp unless staleness_ramp_epochs "
                            "is given), e.g. lr_by_delay")
+  parser.add_argument("--k8_only", action="store_true",
+                      help="with --k8_staleness: run only that row (the others are in --out "
+                           "of an earlier run)")
   parser.add_argument("--select_k8", nargs="+", default=[], metavar="METHOD[:field=value,...]",
                       help="instead: choose among these FDG K=8 remedies for the ViT on the "
                            "validation split (none: plain FDG)")
@@ -163,7 +166,10 @@ def main(argv=None) -> int:
   args.set = []
   args.out = args.out or str(ROOT / "docs" / ("workloads_k8_selection.json" if args.select_k8
                                               else "workloads.json"))
-  methods = list(METHODS) + ([k8_row(args.k8_staleness)] if args.k8_staleness else [])
+  methods = [] if args.k8_only else list(METHODS)
+  methods += [k8_row(args.k8_staleness)] if args.k8_staleness else []
+  if not methods:
+    parser.error("--k8_only needs --k8_staleness")
   started = time.time()
   if args.select_k8:
     result = select_k8(args)
