@@ -6,12 +6,15 @@
 
 Launch several processes on one machine with `python -m fdg_jax.launch --num-processes N
 -- python train.py ...`; on a cluster, start one process per host with the JAX_* variables
-of `initialize` (or under SLURM / Open MPI, where JAX finds them itself).
+of `initialize` (or under SLURM / Open MPI, where JAX finds them itself). A replica's stages
+may lie in different processes (its messages cross through collectives); read values that
+live in some processes only with `fetch`, in every process alike.
 """
 
 from fdg_jax.placement import Placement, make_mesh, move
+from fdg_jax.runtime.arrays import fetch
 from fdg_jax.runtime.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                          initialize)
 
-__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "Placement",
+__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "Placement", "fetch",
            "initialize", "make_mesh", "move"]
