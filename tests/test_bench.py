@@ -237,3 +237,22 @@ def test_processes_benchmark_times_a_pipeline_across_two_processes(tmp_path, cap
               + list(figures[run]["tick_ms"].values()))
     assert len(values) == 6 and all(_positive_finite(v) for v in values)
   assert "ratio" in capsys.readouterr().out
+
+
+def test_nested_benchmark_times_every_program(tmp_path):
+  from fdg_jax.bench.__main__ import main
+  from fdg_jax.bench import nested
+  out = tmp_path / "nested.json"
+  assert main(["nested", "--batch", "2", "--size", "8", "--channels", "4", "--repeats", "1",
+               "--out", str(out)]) == 0
+  figures = json.loads(out.read_text())
+  assert set(figures["ms"]) == {"top", "switch", "loop4", "scan4", "input", "input_scan4"}
+  assert all(_positive_finite(v) for v in list(figures["ms"].values())
+             + list(figures["ratios"].values()))
+  # The programs compute what they say: the switch's branch 0 is the top-level gradient, and
+  # the scan sums the same four gradients as the unrolled loop.
+  progs = nested.programs(2, 8, 4)
+  top, switch = (fn(*args) for fn, args in (progs["top"], progs["switch"]))
+  np.testing.assert_allclose(np.asarray(switch), np.asarray(top), rtol=1e-5, atol=1e-5)
+  loop, scan = (fn(*args) for fn, args in (progs["loop4"], progs["scan4"]))
+  np.testing.assert_allclose(np.asarray(scan), np.asarray(loop), rtol=1e-4, atol=1e-4)

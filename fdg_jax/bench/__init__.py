@@ -4,6 +4,7 @@
   concurrency   host dispatch vs device time per tick, overlap of the stages (`concurrency`)
   data          input pipeline images/s (`data`)
   processes     a pipeline across two processes: message and tick cost (`processes`)
+  nested        backward convolutions at top level vs in a loop or switch (`nested`)
 
 Results: JSON next to the printed tables (--out), written up in docs/results.md.
 """

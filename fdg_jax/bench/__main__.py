@@ -9,6 +9,10 @@ def main(argv=None) -> int:
     from fdg_jax.bench import concurrency
     concurrency.main(argv[1:])
     return 0
+  if argv and argv[0] == "nested":
+    from fdg_jax.bench import nested
+    nested.main(argv[1:])
+    return 0
   if argv and argv[0] == "processes":
     from fdg_jax.bench import processes
     processes.main(argv[1:])
