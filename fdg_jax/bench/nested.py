@@ -104,9 +104,9 @@ def main(argv=None) -> dict:
   print(f"{device.platform} ({device.device_kind}), batch {args.batch}, "
         f"{args.size}x{args.size}x{args.channels}, 3x3 convolution, median of {args.repeats}")
   for name, value in ms.items():
-    print(f"  {name:>12} {value:9.3f} ms")
+    print(f"{name:<22} {value:9.3f} ms")
   for name, value in ratios.items():
-    print(f"  {name:>21} {value:7.2f}x")
+    print(f"{name:<22} {value:9.2f}x")
   figures = {"platform": device.platform, "device_kind": device.device_kind, "ms": ms,
              "ratios": ratios, "args": vars(args)}
   if args.out:
