@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The engine's figures on an accelerator, in one bounded run (each benchmark is stopped
+# after LIMIT seconds; the whole script takes at most 6 x LIMIT, 9 minutes by default).
+#
+#   pip install --no-deps -e . && OUT=/tmp/device_check bash benchmarks/device_check.sh
+#
+# Writes each benchmark's JSON and log under $OUT and prints the tables. What it answers:
+#   nested         do backward convolutions run slowly inside loops/switches here, as on
+#                  XLA:CPU (the rule behind `Schedule.scan`)?
+#   dispatch_*     host time per stage per tick of `step` and `run`: tiny MLP, ResNet-110 K=4
+#                  (with its compile time)
+#   overhead_*     one device, FDG K=4 over BP K=1 per sample: quick-start MLP, ResNet-20 in
+#                  float32 and bfloat16
+# (Stash memory is exact on any machine: `python -m fdg_jax.bench memory` needs no accelerator.)
+# The most wanted figures come first.
+# The figures go to docs/results.md, marked with the device they were measured on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device_check}
+LIMIT=${LIMIT:-90}
+mkdir -p "$OUT"
+python -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
+
+run() {
+  local name=$1
+  shift
+  echo "== $name: python -m fdg_jax.bench $*"
+  timeout "$LIMIT" python -m fdg_jax.bench "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "   exit $?"
+  grep -v "^  " "$OUT/$name.log" | tail -n 20
+}
+
+QUICKSTART=(--model mlp --model_kwargs '{"widths":[128,128,128,128]}' --input_shape 8 8 1
+            --batch_size 32 --stages 4 --split uniform)
+RESNET20=(--model resnet20 --batch_size 64 --stages 4 --split balanced --algorithms fdg
+          --ticks 8 --repeats 3)
+
+run nested nested
+run dispatch_resnet110 dispatch --dispatch_model resnet110 --dispatch_batch 2 --split balanced \
+    --stages 4 --algorithms fdg --dispatch_ticks 16 --run_ticks 32 --repeats 3
+run overhead_resnet20_f32 overhead "${RESNET20[@]}" --dtype float32
+run overhead_resnet20_bf16 overhead "${RESNET20[@]}" --dtype bfloat16
+run dispatch_tiny dispatch --stages 4 --algorithms bp ddg fdg --repeats 3
+run overhead_quickstart overhead "${QUICKSTART[@]}" --ticks 64 --repeats 5
