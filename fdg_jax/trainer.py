@@ -404,11 +404,6 @@ def _fed_rows(schedule, batch_size: int) -> slice:
   return placement.local_batch_slice(batch_size)
 
 
-def host_copy(tree):
-  """Host numpy copies of a tree of arrays, in every process (wherever they live)."""
-  return runtime_arrays.fetch(tree)
-
-
 _FINITE = jax.jit(lambda tree: jnp.all(jnp.stack(
     [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
      if jnp.issubdtype(a.dtype, jnp.inexact)] + [jnp.bool_(True)])))
@@ -417,7 +412,7 @@ _FINITE = jax.jit(lambda tree: jnp.all(jnp.stack(
 def _finite_flags(trees) -> list[bool]:
   """Whether each tree's floating arrays are all finite (each tree on one stage's devices);
   one host read for all of them."""
-  return [bool(f) for f in host_copy([_FINITE(t) for t in trees])]
+  return [bool(f) for f in runtime_arrays.fetch([_FINITE(t) for t in trees])]
 
 
 def _nonfinite_stage(schedule, state) -> int | None:
@@ -682,7 +677,7 @@ class TrainingLoop:
     if not self.pending:
       return
     pending, self.pending = self.pending, []
-    got = host_copy([(m["loss"], m["accuracy"], m["valid"]) for m in pending])
+    got = runtime_arrays.fetch([(m["loss"], m["accuracy"], m["valid"]) for m in pending])
     ticks = np.concatenate([np.asarray(m["tick"]) for m in pending])
     valid = np.concatenate([np.asarray(v, bool).reshape(-1) for _, _, v in got])
     losses = np.concatenate([np.asarray(l, np.float64).reshape(-1) for l, _, _ in got])[valid]
@@ -820,7 +815,7 @@ class TrainingLoop:
            f"{self.final['test_accuracy']:.4f} (loss {self.final['test_loss']:.4f}) in "
            f"{wall:.1f} s; workdir {self.run.workdir}")
     return {**self.final, "steps": self.step, "wall_time": wall,
-            "params": host_copy(self.schedule.params(self.state))}
+            "params": runtime_arrays.fetch(self.schedule.params(self.state))}
 
 
 def _mean(total, count):
