@@ -13,7 +13,9 @@ layouts of that mesh:
   every activation and cotangent crosses the process boundary (`placement.exchange`);
   process 0 feeds whole batches, process 1 feeds none.
 
-A third case passes `devices=` with one device of each process (FDG, R=1).
+A third case passes `devices=` with one device of each process (FDG, R=1). A second test
+runs three stages in three processes (one device each), where each exchange involves two
+of the three processes.
 
 Each layout trains through `step` and through `run`; the values are fetched to every
 process with `runtime.arrays.fetch`, and a checkpoint view of the final state goes
@@ -32,7 +34,7 @@ BATCH = 8
 
 
 def train(algorithm, mesh, path="step"):
-  """Trains the 2-stage BN toy model on `mesh` (or a list of 2 devices), each process
+  """Trains the K-stage BN toy model on `mesh` (or a list of K devices), each process
   feeding its rows of the batch."""
   import optax
 
@@ -40,7 +42,8 @@ def train(algorithm, mesh, path="step"):
   from fdg_jax.runtime import arrays
   from toy_models import batches, loss_fn, make_model
 
-  applies, params, states = make_model("bn", 2)
+  applies, params, states = make_model("bn", len(mesh) if isinstance(mesh, list)
+                                        else mesh.devices.shape[1])
   where = {"devices": mesh} if isinstance(mesh, list) else {"mesh": mesh}
   sched = fdg_jax.create(algorithm, [fdg_jax.Stage(apply=a) for a in applies], loss_fn,
                          optax.sgd(0.05, 0.9), **where)
@@ -149,5 +152,46 @@ def test_two_processes_equal_one_process(tmp_path):
       np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0, err_msg=name)
 
 
+def three_stage_worker(out_dir):
+  """One stage per process (3 processes x 1 device): the exchange between stages 0 and 1
+  runs in processes 0 and 1 only, process 2 taking the arrays without shards."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import jax
+
+  from fdg_jax import runtime
+  assert runtime.initialize() and jax.process_count() == 3
+  devices = sorted(jax.devices(), key=lambda d: d.process_index)
+  results = {}
+  for algorithm in ALGORITHMS:
+    for path in ("step", "run"):
+      results.update(train(algorithm, devices, path)[0])
+  np.savez(os.path.join(out_dir, f"three_{jax.process_index()}.npz"), **results)
+
+
+def test_three_stages_in_three_processes_equal_one_device(tmp_path):
+  import jax
+
+  from fdg_jax import launch
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                    env.get("PYTHONPATH")]))
+  status = launch.launch([sys.executable, os.path.abspath(__file__), str(tmp_path), "three"],
+                         3, cpu_devices=1, timeout_s=240, env=env)
+  assert status == 0, f"workers exited with {status} (their output is in the captured stdout)"
+  expected = {}
+  for algorithm in ALGORITHMS:
+    for path in ("step", "run"):
+      expected.update(train(algorithm, jax.devices()[:1] * 3, path)[0])
+  for process in range(3):
+    got = np.load(tmp_path / f"three_{process}.npz")
+    assert sorted(got.files) == sorted(expected)
+    for name, value in expected.items():
+      np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0,
+                                 err_msg=f"process {process}: {name}")
+
+
 if __name__ == "__main__":
-  worker(sys.argv[1])
+  if sys.argv[2:] == ["three"]:
+    three_stage_worker(sys.argv[1])
+  else:
+    worker(sys.argv[1])
