@@ -314,9 +314,7 @@ def move_tree(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Shar
     if a.sharding.is_fully_addressable and s.is_fully_addressable:
       out[i] = jax.device_put(a, s)
     elif _crosses(a.sharding, s):
-      ends = sorted([tuple(_devices(a.sharding)), tuple(_devices(s))],
-                    key=lambda ds: [d.id for d in ds])
-      groups.setdefault(tuple(ends), []).append(i)
+      groups.setdefault(_sides([a.sharding, s]), []).append(i)
     else:
       out[i] = move_shards(a, s)
   for idx in groups.values():
@@ -340,6 +338,12 @@ def _holds(sharding) -> bool:
 def _no_shards(shape, dtype, sharding) -> jax.Array:
   """The global array of `sharding` as seen by a process that holds none of its devices."""
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
+def _sides(shardings) -> tuple:
+  """The distinct device sets of `shardings` (each in mesh order), in a fixed order."""
+  return tuple(sorted({tuple(_devices(s)) for s in shardings},
+                      key=lambda devices: [d.id for d in devices]))
 
 
 def _crosses(src, dst) -> bool:
@@ -368,8 +372,7 @@ def exchange(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) ->
   devices of either set run the program (every one of them must call this with the same
   arrays); the others get the arrays without shards.
   """
-  sides = sorted({tuple(_devices(a.sharding)) for a in arrays}
-                 | {tuple(_devices(s)) for s in shardings}, key=lambda ds: [d.id for d in ds])
+  sides = _sides([a.sharding for a in arrays] + list(shardings))
   if len(sides) != 2 or set(sides[0]) & set(sides[1]) or len(sides[0]) != len(sides[1]):
     raise ValueError("exchange moves arrays between two disjoint sets of as many devices")
   for a in arrays:

@@ -117,8 +117,9 @@ def to_checkpoint(tree):
     first, ghost = sharding.mesh.devices.reshape(-1)
     blocks = []
     if first.process_index == me:
-      blocks.append(jax.device_put(a.addressable_data(0) if a.sharding.is_fully_replicated
-                                   else jax.device_put(a, first), first))
+      # One replica's copy, or the row-sharded array gathered, onto `first`.
+      value = a.addressable_data(0) if a.sharding.is_fully_replicated else a
+      blocks.append(jax.device_put(value, first))
     if ghost.process_index == me:
       blocks.append(jax.device_put(np.zeros(a.shape, a.dtype), ghost))
     return jax.make_array_from_single_device_arrays(a.shape, sharding, blocks, dtype=a.dtype)
