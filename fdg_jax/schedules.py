@@ -56,13 +56,14 @@ from fdg_jax.delays import delay, ring_size
 from fdg_jax.packing import Layout
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
+from fdg_jax import spmd as spmd_lib
 from fdg_jax import staleness as staleness_lib
 from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
 BACKWARD_POLICIES = ("stash", "recompute")
-ENGINES = ("auto", "fused", "per_stage")
+ENGINES = ("auto", "fused", "per_stage", "spmd")
 NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
 
 
@@ -145,6 +146,10 @@ class Schedule:
       raise ValueError("engine='fused' runs every stage in one program on one device; "
                        "pass devices=None (or K copies of one device), or engine='per_stage'")
     self.engine = ("fused" if one_device else "per_stage") if engine == "auto" else engine
+    self._spmd = None
+    if self.engine == "spmd":
+      spmd_lib.Engine.check(self)
+      self._spmd = spmd_lib.Engine(self)
     self._scan = scan
     self._core_layouts: list = [None] * self.num_stages
     self._stash_axes: list = [None] * self.num_stages
@@ -320,12 +325,17 @@ class Schedule:
   # FDG K=4 on ResNet-20 then took twice BP's time on one device, against 1.1x).
   @staticmethod
   def _ring_read(ring, slot):
-    """Stash entry `slot` of a ring (a tuple of [D, ...] buffers, one per leaf)."""
+    """Stash entry `slot` of a ring (a tuple of [D, ...] buffers, one per leaf, or the
+    SPMD engine's `FlatRing`)."""
+    if isinstance(ring, spmd_lib.FlatRing):
+      return ring.read(slot)
     return tuple(buf[slot] for buf in ring)
 
   @staticmethod
   def _ring_write(ring, slot, entry, flag):
     """`ring` with `entry` written to `slot` where `flag`."""
+    if isinstance(ring, spmd_lib.FlatRing):
+      return ring.write(slot, entry, flag)
     return tuple(buf.at[slot].set(_select(flag, e, buf[slot]))
                  for buf, e in zip(ring, jax.tree.leaves(entry)))
 
@@ -781,6 +791,11 @@ class Schedule:
                                 np.int32(T))
         out["tick"] = _ticks(t0, T, length)
         return {"tick": np.asarray(t0 + T, np.int64), "stages": stages, "inbox": inbox}, out
+    if self.engine == "spmd":
+      state = self._ready(state, first)
+      state, out = self._spmd.run(state, xs, ys, T, length)
+      out["tick"] = _ticks(t0, T, length)
+      return {**state, "tick": np.asarray(t0 + T, np.int64)}, out
     return self._run_by_steps(state, xs, ys, T, length)
 
   def _run_by_steps(self, state, xs, ys, T, length):

@@ -1,0 +1,369 @@
+"""The SPMD engine: T ticks of FDG as one program over the stages' devices.
+
+`Schedule(..., engine="spmd")`, one device per stage: `run` is one jitted program,
+`shard_map`ped over a ("stage",) mesh of the K devices. Every device loops over the T
+ticks; at each it runs its own stage's work, chosen by `lax.switch` on its stage index
+among the K stages' `_stage_work` / `_last_work` (the pure functions every engine calls),
+then activations move up and cotangents down with one `lax.ppermute` each. FDG only: its
+stages read only the messages of the previous tick, so a tick is one round of local work
+and one exchange (BP and DDG chain stages within a tick).
+
+Stages differ in shapes, while a switch's branches and a shard_map's blocks must agree, so
+inside the program each device's state is a flat vector per dtype and kind (core state,
+stash ring, incoming activation, incoming cotangent), padded to the largest stage's size
+(`Flat`). A ring vector holds its D slots one after another; a slot is read and written
+with a dynamic slice (`FlatRing`). Between calls the state keeps the per-stage layout of
+the other engines, so `step`, the accessors and checkpoints are unchanged: `run` stacks it
+on entry and splits it on exit with one jitted call per stage each way.
+
+Inputs are replicated to every device (stage 0 reads the batch; the labels travel with the
+activations, as in the other engines): T batches cost K copies of the input on device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+AXIS = "stage"
+KINDS = ("core", "ring", "act", "cot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+  """A pytree of fixed shapes and dtypes as one flat vector per dtype (leaves in order)."""
+
+  treedef: Any
+  shapes: tuple
+  dtypes: tuple
+  offsets: tuple  # per leaf: where it starts in its dtype's vector
+  sizes: dict     # dtype name -> the vector's length
+
+  @classmethod
+  def of(cls, tree) -> "Flat":
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = tuple(tuple(np.shape(a)) for a in leaves)
+    dtypes = tuple(jnp.dtype(a.dtype) for a in leaves)
+    sizes: dict[str, int] = {}
+    offsets = []
+    for shape, dt in zip(shapes, dtypes):
+      if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+        raise ValueError("engine='spmd' packs the state into flat buffers and cannot hold "
+                         "typed PRNG keys; pass raw uint32 keys (jax.random.PRNGKey)")
+      offsets.append(sizes.get(dt.name, 0))
+      sizes[dt.name] = offsets[-1] + int(np.prod(shape))
+    return cls(treedef, shapes, dtypes, tuple(offsets), sizes)
+
+  def pack(self, tree, lengths: dict | None = None) -> dict:
+    """The vectors of `tree`; with `lengths`, one per name there, zero-padded to it."""
+    leaves = self.treedef.flatten_up_to(tree)
+    parts: dict[str, list] = {}
+    for a, dt in zip(leaves, self.dtypes):
+      parts.setdefault(dt.name, []).append(jnp.ravel(a).astype(dt))
+    out = {name: (p[0] if len(p) == 1 else jnp.concatenate(p)) for name, p in parts.items()}
+    if lengths is None:
+      return out
+    return {name: _pad(out.get(name), n, name) for name, n in lengths.items()}
+
+  def unpack(self, vectors: dict):
+    """The pytree held in `vectors` (static slices of possibly longer vectors)."""
+    leaves = []
+    for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets):
+      n = int(np.prod(shape))
+      leaves.append(vectors[dt.name][off:off + n].reshape(shape))
+    return self.treedef.unflatten(leaves)
+
+
+def _pad(vector, length: int, name: str):
+  """`vector` (or nothing) zero-padded to `length`."""
+  if vector is None:
+    return jnp.zeros((length,), name)
+  if vector.shape[0] == length:
+    return vector
+  return jnp.concatenate([vector, jnp.zeros((length - vector.shape[0],), vector.dtype)])
+
+
+class FlatRing:
+  """A stash ring of D slots as flat vectors per dtype, slot after slot.
+
+  `Schedule._ring_read` / `_ring_write` call `read` and `write` for such a ring; the other
+  engines keep one [D, ...] buffer per leaf.
+  """
+
+  def __init__(self, vectors: dict, slot: Flat):
+    self.vectors, self.slot = vectors, slot
+
+  def read(self, index):
+    """Stash entry `index`: one dynamic slice per dtype, then static slices."""
+    return tuple(self.slot.unpack({
+        name: jax.lax.dynamic_slice(self.vectors[name], (index * n,), (n,))
+        for name, n in self.slot.sizes.items()}))
+
+  def write(self, index, entry, flag) -> "FlatRing":
+    """The ring with `entry` written to slot `index` where `flag`."""
+    new = self.slot.pack(tuple(jax.tree.leaves(entry)))
+    vectors = dict(self.vectors)
+    for name, n in self.slot.sizes.items():
+      at = (index * n,)
+      value = new[name]
+      if flag is not True:
+        value = jnp.where(flag, value, jax.lax.dynamic_slice(vectors[name], at, (n,)))
+      vectors[name] = jax.lax.dynamic_update_slice(vectors[name], value, at)
+    return FlatRing(vectors, self.slot)
+
+
+class Engine:
+  """The SPMD `run` of one schedule (built lazily, once its shapes are known)."""
+
+  def __init__(self, schedule):
+    self.schedule = schedule
+    K, P_ = schedule.num_stages, schedule.placement
+    self.devices = [next(iter(s.device_set)) for s in P_.state_shardings]
+    self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
+    self._layouts = None
+    self._fns: dict = {}
+
+  @staticmethod
+  def check(schedule) -> None:
+    """Raises a one-line ValueError where the SPMD engine cannot run `schedule`."""
+    K, P_ = schedule.num_stages, schedule.placement
+    if schedule.algorithm != "fdg":
+      raise ValueError(f"engine='spmd' runs FDG only ({schedule.algorithm} chains its stages "
+                       "within a tick); use engine='per_stage'")
+    if K < 2:
+      raise ValueError("engine='spmd' needs at least 2 stages, one per device")
+    if P_.num_replicas != 1 or any(len(s.device_set) != 1 for s in P_.state_shardings):
+      raise ValueError("engine='spmd' takes one device per stage (no data-parallel "
+                       "replicas yet); use engine='per_stage' for a (data, stage) mesh")
+    devices = [next(iter(s.device_set)) for s in P_.state_shardings]
+    if len(set(devices)) != K:
+      raise ValueError("engine='spmd' needs K distinct devices (devices=jax.devices()[:K]); "
+                       "on one device use engine='fused'")
+    if jax.process_count() > 1:
+      raise ValueError("engine='spmd' runs in one process; a pipeline across processes "
+                       "uses engine='per_stage'")
+
+  # ------------------------------------------------------------------ layouts
+  def layouts(self):
+    """Per stage and kind, its `Flat` (core: the Layout's buffers), and the padded lengths."""
+    if self._layouts is not None:
+      return self._layouts
+    s, K = self.schedule, self.schedule.num_stages
+    flats = []
+    for k in range(K):
+      core_lay = s._core_layouts[k]
+      core = Flat.of({name: jax.ShapeDtypeStruct((sum(int(np.prod(core_lay.shapes[i]))
+                                                      for i in idx),), name)
+                      for name, idx in core_lay.groups})
+      ring = Flat.of(tuple(s._entry_specs[k])) if k < K - 1 else None
+      act = Flat.of(s._act_specs[k - 1]) if k > 0 else None
+      cot = Flat.of(s._act_specs[k][0]) if k < K - 1 else None
+      flats.append({"core": core, "ring": ring, "act": act, "cot": cot})
+    lengths = {kind: {} for kind in KINDS}
+    for k, f in enumerate(flats):
+      D = s.ring_sizes[k]
+      for kind in KINDS:
+        if f[kind] is None:
+          continue
+        scale = D if kind == "ring" else 1
+        for name, n in f[kind].sizes.items():
+          lengths[kind][name] = max(lengths[kind].get(name, 0), scale * n)
+    self._layouts = flats, lengths
+    return self._layouts
+
+  # ------------------------------------------------------------------ state in and out
+  def _stack_fn(self, k: int):
+    """Stage k's packed state and inbox -> its padded vectors, each [1, L], on its device."""
+    key = ("stack", k)
+    if key in self._fns:
+      return self._fns[key]
+    flats, lengths = self.layouts()
+    f, D = flats[k], self.schedule.ring_sizes[k]
+
+    def stack(packed, box):
+      out = {"core": f["core"].pack(packed["core"], lengths["core"])}
+      ring = {}
+      if f["ring"] is not None:  # [D, ...] per leaf -> slot after slot, per dtype
+        rows = f["ring"].treedef.flatten_up_to(tuple(packed["stash"]))
+        by_name: dict[str, list] = {}
+        for a, dt in zip(rows, f["ring"].dtypes):
+          by_name.setdefault(dt.name, []).append(a.reshape(D, -1))
+        ring = {n: jnp.concatenate(p, axis=1).reshape(-1) for n, p in by_name.items()}
+      out["ring"] = {n: _pad(ring.get(n), L, n) for n, L in lengths["ring"].items()}
+      for kind in ("act", "cot"):
+        vec = f[kind].pack(box[kind]) if f[kind] is not None else {}
+        out[kind] = {n: _pad(vec.get(n), L, n) for n, L in lengths[kind].items()}
+      return jax.tree.map(lambda v: v[None], out)
+
+    fn = jax.jit(stack, out_shardings=SingleDeviceSharding(self.devices[k]))
+    self._fns[key] = fn
+    return fn
+
+  def _split_fn(self, k: int):
+    """The inverse of `_stack_fn`: stage k's packed state and inbox, sharded as before."""
+    key = ("split", k)
+    if key in self._fns:
+      return self._fns[key]
+    s = self.schedule
+    flats, _ = self.layouts()
+    f, D = flats[k], s.ring_sizes[k]
+
+    def split(vectors):
+      v = jax.tree.map(lambda a: a[0], vectors)
+      packed = {"core": f["core"].unpack(v["core"])}
+      if f["ring"] is not None:
+        ring = f["ring"]
+        rows = {n: v["ring"][n][:D * m].reshape(D, m) for n, m in ring.sizes.items()}
+        leaves = [rows[dt.name][:, off:off + int(np.prod(shape))].reshape((D,) + shape)
+                  for shape, dt, off in zip(ring.shapes, ring.dtypes, ring.offsets)]
+        packed["stash"] = tuple(leaves)
+      box = {kind: f[kind].unpack(v[kind]) for kind in ("act", "cot") if f[kind] is not None}
+      return packed, box
+
+    P_ = s.placement
+    box_shardings = {}
+    if f["act"] is not None:
+      box_shardings["act"] = P_.message_shardings(k, s._act_specs[k - 1])
+    if f["cot"] is not None:
+      box_shardings["cot"] = P_.message_shardings(k, s._act_specs[k][0])
+    fn = jax.jit(split, out_shardings=(s._state_shardings(k), box_shardings))
+    self._fns[key] = fn
+    return fn
+
+  # ------------------------------------------------------------------ the program
+  def _branch(self, k: int):
+    """Stage k's tick on its padded vectors: the body of switch branch k."""
+    s, K = self.schedule, self.schedule.num_stages
+    flats, lengths = self.layouts()
+    f = flats[k]
+
+    def zeros(kind):
+      return {n: jnp.zeros((L,), n) for n, L in lengths[kind].items()}
+
+    def branch(v, batch, t):
+      state = dict(s._core_layouts[k].unpack(f["core"].unpack(v["core"])))
+      if f["ring"] is not None:
+        state["stash"] = FlatRing(v["ring"], f["ring"])
+      act_in = batch if k == 0 else f["act"].unpack(v["act"])
+      if k == K - 1:
+        active = s._flags(k, t)[0]
+        state, cot, metrics = s._last_work(state, act_in, active)
+        act_out, act_sent = zeros("act"), jnp.asarray(False)
+        cot_sent = jnp.asarray(active)
+        updated = jnp.where(active, metrics["batch"], jnp.int32(-1)).astype(jnp.int32)
+        valid = jnp.asarray(active)
+      else:
+        do_fwd, do_bwd = s._flags(k, t)
+        cot_in = f["cot"].unpack(v["cot"])
+        state, act, cot, updated = s._stage_work(k, state, act_in, cot_in, do_fwd, do_bwd)
+        act_out = flats[k + 1]["act"].pack(act, lengths["act"])
+        act_sent, cot_sent = jnp.asarray(do_fwd), jnp.asarray(do_bwd)
+        metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s._metrics_spec())
+        updated = jnp.asarray(updated, jnp.int32)
+        valid = jnp.asarray(False)
+      cot_out = (flats[k - 1]["cot"].pack(cot, lengths["cot"]) if k > 0 and cot is not None
+                 else zeros("cot"))
+      if k == 0:
+        cot_sent = jnp.asarray(False)
+      out = dict(v)
+      ring = state.pop("stash", None)
+      if ring is not None:
+        out["ring"] = ring.vectors
+      core = f["core"].pack(s._core_layouts[k].pack(state))
+      out["core"] = {n: (v["core"][n].at[:core[n].shape[0]].set(core[n]) if n in core
+                         else v["core"][n]) for n in v["core"]}
+      return out, (act_out, act_sent), (cot_out, cot_sent), updated, metrics, valid
+
+    return branch
+
+  def _program(self, length: int):
+    """The jitted program: (vectors, xs, ys, t0, n) -> (vectors, metrics)."""
+    key = ("run", length)
+    if key in self._fns:
+      return self._fns[key]
+    s, K = self.schedule, self.schedule.num_stages
+    branches = [self._branch(k) for k in range(K)]
+    up = [(j, j + 1) for j in range(K - 1)]
+    down = [(j + 1, j) for j in range(K - 1)]
+    spec = s._metrics_spec()
+
+    def per_device(vectors, xs, ys, t0, n):
+      v = jax.tree.map(lambda a: a[0], vectors)
+      k = jax.lax.axis_index(AXIS)
+      outs = {name: jnp.zeros((length,) + a.shape, a.dtype) for name, a in spec.items()}
+      outs["valid"] = jnp.zeros((length,), bool)
+      outs["updated"] = jnp.full((length,), -1, jnp.int32)
+
+      def body(i, carry):
+        v, outs = carry
+        batch = (jax.tree.map(lambda a: a[i], xs), jax.tree.map(lambda a: a[i], ys))
+        v, act, cot, updated, metrics, valid = jax.lax.switch(k, branches, v, batch, t0 + i)
+        act_in, act_sent = jax.lax.ppermute(act, AXIS, up)
+        cot_in, cot_sent = jax.lax.ppermute(cot, AXIS, down)
+        v = dict(v)
+        v["act"] = jax.tree.map(lambda new, old: jnp.where(act_sent, new, old), act_in, v["act"])
+        v["cot"] = jax.tree.map(lambda new, old: jnp.where(cot_sent, new, old), cot_in, v["cot"])
+        row = {**metrics, "valid": valid, "updated": updated}
+        outs = {name: outs[name].at[i].set(row[name]) for name in outs}
+        return v, outs
+
+      v, outs = jax.lax.fori_loop(0, n, body, (v, outs))
+      updated = jax.lax.all_gather(outs.pop("updated"), AXIS, axis=1)  # [L, K]
+      outs = jax.tree.map(lambda a: jax.lax.all_gather(a, AXIS)[K - 1], outs)
+      outs["updated"] = updated
+      return jax.tree.map(lambda a: a[None], v), outs
+
+    flats, lengths = self.layouts()
+    state_spec = {kind: {n: P(AXIS) for n in lengths[kind]} for kind in KINDS}
+    fn = jax.jit(jax.shard_map(per_device, mesh=self.mesh,
+                               in_specs=(state_spec, P(), P(), P(), P()),
+                               out_specs=(state_spec, P()),
+                               # the stash's vjp structures are traced outside shard_map,
+                               # without the axis in their types
+                               check_vma=False),
+                 donate_argnums=0)
+    self._fns[key] = fn
+    return fn
+
+  # ------------------------------------------------------------------ run
+  def run(self, state, xs, ys, T: int, length: int):
+    """T ticks from `state` (per-stage layout, allocated) over the first T of `length`
+    batches. Returns (state, metrics as `Schedule.run` documents them, but `tick`)."""
+    s, K = self.schedule, self.schedule.num_stages
+    _, lengths = self.layouts()
+    parts = []
+    for k in range(K):  # (shapes change, so the inputs are freed rather than donated)
+      parts.append(self._stack_fn(k)(state["stages"][k], state["inbox"][k]))
+      _free((state["stages"][k], state["inbox"][k]))
+    stacked = {kind: {n: jax.make_array_from_single_device_arrays(
+        (K, L), NamedSharding(self.mesh, P(AXIS)), [p[kind][n] for p in parts])
+        for n, L in lengths[kind].items()} for kind in KINDS}
+    xs, ys = jax.device_put((xs, ys), NamedSharding(self.mesh, P()))
+    stacked, outs = self._program(length)(stacked, xs, ys, np.int32(int(state["tick"])),
+                                          np.int32(T))
+    by_device = [{kind: {n: None for n in lengths[kind]} for kind in KINDS} for _ in range(K)]
+    for kind in KINDS:
+      for n in lengths[kind]:
+        for shard in stacked[kind][n].addressable_shards:
+          by_device[self.devices.index(shard.device)][kind][n] = shard.data
+    stages, inbox = [], []
+    for k in range(K):
+      packed, box = self._split_fn(k)(by_device[k])
+      _free(by_device[k])
+      stages.append(packed)
+      inbox.append(box)
+    last = self.devices[K - 1]
+    outs = jax.tree.map(lambda a: next(sh.data for sh in a.addressable_shards
+                                       if sh.device == last), outs)
+    return {**state, "stages": stages, "inbox": inbox}, outs
+
+
+def _free(tree) -> None:
+  """Frees the device buffers of `tree` now (consumed inputs whose shapes change)."""
+  for a in jax.tree.leaves(tree):
+    a.delete()
