@@ -149,6 +149,9 @@ class Schedule:
     self._spmd = None
     if self.engine == "spmd":
       spmd_lib.Engine.check(self)
+      if self.telemetry_enabled:
+        raise ValueError("staleness telemetry reads per-stage rings; use engine='per_stage' "
+                         "or 'fused' with telemetry=True")
       self._spmd = spmd_lib.Engine(self)
     self._scan = scan
     self._core_layouts: list = [None] * self.num_stages
@@ -714,7 +717,8 @@ class Schedule:
         inbox[k]["cot"] = _zeros(act_spec[0], P.message_shardings(k, act_spec[0]))
       if self.algorithm == "fdg":
         inbox[k + 1]["act"] = _zeros(act_spec, P.message_shardings(k + 1, act_spec))
-    return {**state, "stages": stages, "inbox": inbox}
+    state = {**state, "stages": stages, "inbox": inbox}
+    return self._spmd.flatten(state) if self.engine == "spmd" else state
 
   def _ready(self, state, batch_spec):
     """`state` with its buffers allocated, and this schedule prepared for its layout."""
@@ -735,6 +739,12 @@ class Schedule:
       `metrics_fn` values (default `accuracy`) of that batch.
     """
     K = self.num_stages
+    if self.engine == "spmd":
+      t = int(state["tick"])
+      state = self._ready(state, jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tuple(batch)))
+      state, metrics = self._spmd.step(state, batch)
+      return {**state, "tick": np.asarray(t + 1, np.int64)}, {**metrics, "tick": t}
     # In a multi-process run `batch` is this process's slice; batch_msg is the global batch.
     batch_msg = self.placement.put_batch(0, tuple(batch))
     state = self._ready(state, batch_msg)
@@ -841,10 +851,19 @@ class Schedule:
   # ------------------------------------------------------------------ accessors
   def stage_state(self, state, k: int) -> dict:
     """Stage k's state unpacked: params, model_state, opt_state, rng, pushes, pops and (but
-    for the last stage) stash_batch. The stash stays packed (`state["stages"][k]["stash"]`)."""
+    for the last stage) stash_batch. The stash: `stash`."""
     if k not in self._unpack_fns:
       self._unpack_fns[k] = jax.jit(self._core_layouts[k].unpack)
-    return self._unpack_fns[k](state["stages"][k]["core"])
+    return self._unpack_fns[k](self._packed_stage(state, k)["core"])
+
+  def stash(self, state, k: int) -> tuple:
+    """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last)."""
+    return tuple(self._packed_stage(state, k).get("stash", ()))
+
+  def _packed_stage(self, state, k: int) -> dict:
+    """Stage k's packed state ({"core": ..., "stash": ...}), whatever the engine's layout."""
+    s = state["stages"][k]
+    return self._spmd.unflatten(state, k)[0] if "flat" in s else s
 
   def params(self, state) -> list:
     """The K per-stage parameter pytrees."""
@@ -860,7 +879,8 @@ class Schedule:
     Returns the last stage's output (on the last stage's devices).
     """
     x = self.placement.put_batch(0, x)
-    for k, s in enumerate(state["stages"]):
+    for k in range(self.num_stages):
+      s = self._packed_stage(state, k)
       if k not in self._eval_fns:
         def fwd(core, a, k=k):
           s = self._core_layouts[k].unpack(core)
@@ -968,6 +988,10 @@ class Schedule:
     """Bytes held by each stage's delay buffer (stash and its batch indices)."""
     out = []
     for k, s in enumerate(state["stages"]):
+      if "flat" in s:  # the SPMD engine: every stage holds a ring padded to the largest
+        ring = self._spmd.ring_bytes()
+        out.append(int(ring + (4 * self.ring_sizes[k] if k < self.num_stages - 1 else 0)))
+        continue
       ring = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s.get("stash", {})))
       out.append(int(ring + (4 * self.ring_sizes[k] if k < self.num_stages - 1 else 0)))
     return out

@@ -176,9 +176,14 @@ class Engine:
     self._layouts = flats, lengths
     return self._layouts
 
+  def ring_bytes(self) -> int:
+    """Bytes of one device's padded ring vectors."""
+    _, lengths = self.layouts()
+    return sum(L * jnp.dtype(n).itemsize for n, L in lengths["ring"].items())
+
   # ------------------------------------------------------------------ state in and out
   def _stack_fn(self, k: int):
-    """Stage k's packed state and inbox -> its padded vectors, each [1, L], on its device."""
+    """Stage k's packed state and inbox -> its padded vectors (one per dtype), on its device."""
     key = ("stack", k)
     if key in self._fns:
       return self._fns[key]
@@ -198,7 +203,7 @@ class Engine:
       for kind in ("act", "cot"):
         vec = f[kind].pack(box[kind]) if f[kind] is not None else {}
         out[kind] = {n: _pad(vec.get(n), L, n) for n, L in lengths[kind].items()}
-      return jax.tree.map(lambda v: v[None], out)
+      return _join(out, lengths)
 
     fn = jax.jit(stack, out_shardings=SingleDeviceSharding(self.devices[k]))
     self._fns[key] = fn
@@ -210,11 +215,11 @@ class Engine:
     if key in self._fns:
       return self._fns[key]
     s = self.schedule
-    flats, _ = self.layouts()
+    flats, lengths = self.layouts()
     f, D = flats[k], s.ring_sizes[k]
 
     def split(vectors):
-      v = jax.tree.map(lambda a: a[0], vectors)
+      v = _part(vectors, lengths)
       packed = {"core": f["core"].unpack(v["core"])}
       if f["ring"] is not None:
         ring = f["ring"]
@@ -292,8 +297,10 @@ class Engine:
     down = [(j + 1, j) for j in range(K - 1)]
     spec = s._metrics_spec()
 
+    flats, lengths = self.layouts()
+
     def per_device(vectors, xs, ys, t0, n):
-      v = jax.tree.map(lambda a: a[0], vectors)
+      v = _part(vectors, lengths)  # xs, ys: real on stage 0's device only
       k = jax.lax.axis_index(AXIS)
       outs = {name: jnp.zeros((length,) + a.shape, a.dtype) for name, a in spec.items()}
       outs["valid"] = jnp.zeros((length,), bool)
@@ -316,13 +323,11 @@ class Engine:
       updated = jax.lax.all_gather(outs.pop("updated"), AXIS, axis=1)  # [L, K]
       outs = jax.tree.map(lambda a: jax.lax.all_gather(a, AXIS)[K - 1], outs)
       outs["updated"] = updated
-      return jax.tree.map(lambda a: a[None], v), outs
+      return _join(v, lengths), outs
 
-    flats, lengths = self.layouts()
-    state_spec = {kind: {n: P(AXIS) for n in lengths[kind]} for kind in KINDS}
     fn = jax.jit(jax.shard_map(per_device, mesh=self.mesh,
-                               in_specs=(state_spec, P(), P(), P(), P()),
-                               out_specs=(state_spec, P()),
+                               in_specs=(P(AXIS), P(AXIS), P(AXIS), P(), P()),
+                               out_specs=(P(AXIS), P()),
                                # the stash's vjp structures are traced outside shard_map,
                                # without the axis in their types
                                check_vma=False),
@@ -330,37 +335,112 @@ class Engine:
     self._fns[key] = fn
     return fn
 
-  # ------------------------------------------------------------------ run
-  def run(self, state, xs, ys, T: int, length: int):
-    """T ticks from `state` (per-stage layout, allocated) over the first T of `length`
-    batches. Returns (state, metrics as `Schedule.run` documents them, but `tick`)."""
-    s, K = self.schedule, self.schedule.num_stages
-    _, lengths = self.layouts()
-    parts = []
-    for k in range(K):  # (shapes change, so the inputs are freed rather than donated)
-      parts.append(self._stack_fn(k)(state["stages"][k], state["inbox"][k]))
-      _free((state["stages"][k], state["inbox"][k]))
-    stacked = {kind: {n: jax.make_array_from_single_device_arrays(
-        (K, L), NamedSharding(self.mesh, P(AXIS)), [p[kind][n] for p in parts])
-        for n, L in lengths[kind].items()} for kind in KINDS}
-    xs, ys = jax.device_put((xs, ys), NamedSharding(self.mesh, P()))
-    stacked, outs = self._program(length)(stacked, xs, ys, np.int32(int(state["tick"])),
-                                          np.int32(T))
-    by_device = [{kind: {n: None for n in lengths[kind]} for kind in KINDS} for _ in range(K)]
-    for kind in KINDS:
-      for n in lengths[kind]:
-        for shard in stacked[kind][n].addressable_shards:
-          by_device[self.devices.index(shard.device)][kind][n] = shard.data
-    stages, inbox = [], []
+  # ------------------------------------------------------------------ state
+  def flatten(self, state):
+    """A state in the per-stage layout of the other engines -> this engine's (consumed)."""
+    K = self.schedule.num_stages
+    stages = []
     for k in range(K):
-      packed, box = self._split_fn(k)(by_device[k])
-      _free(by_device[k])
-      stages.append(packed)
-      inbox.append(box)
-    last = self.devices[K - 1]
-    outs = jax.tree.map(lambda a: next(sh.data for sh in a.addressable_shards
-                                       if sh.device == last), outs)
-    return {**state, "stages": stages, "inbox": inbox}, outs
+      stages.append({"flat": self._stack_fn(k)(state["stages"][k], state["inbox"][k])})
+      _free((state["stages"][k], state["inbox"][k]))  # shapes change: freed, not donated
+    return {**state, "stages": stages, "inbox": [{} for _ in range(K)]}
+
+  def unflatten(self, state, k: int):
+    """Stage k's (packed state, inbox) in the other engines' layout (a copy)."""
+    return self._split_fn(k)(state["stages"][k]["flat"])
+
+  # ------------------------------------------------------------------ run and step
+  def run(self, state, xs, ys, T: int, length: int):
+    """T ticks from `state` over the first T of `length` batches (xs, ys: [length, ...]).
+
+    Returns (state, metrics as `Schedule.run` documents them, but `tick`), the metrics on
+    the last stage's device."""
+    return self._go(state, jax.device_put((xs, ys), self.devices[0]), T, length)
+
+  def step(self, state, batch):
+    """One tick, as `run` with T = 1. Returns (state, metrics as `Schedule.step` gives
+    them, but `tick`; every value on the last stage's device)."""
+    s, K, t = self.schedule, self.schedule.num_stages, int(state["tick"])
+    state, out = self._go(state, _leading(tuple(batch), self.devices[0]), 1, 1)
+    metrics, updated = _first_row(out)
+    flags = [s._flags(k, t) for k in range(K)]
+    updated = tuple(u if f[1] else None for u, f in zip(updated, flags))
+    return state, {**(metrics if flags[K - 1][0] else {}), "updated": updated}
+
+  def _go(self, state, first, T: int, length: int):
+    """`run` given stage 0's [length, ...] batches on its device."""
+    K = self.schedule.num_stages
+    flat = self._stage_axis([s["flat"] for s in state["stages"]])
+    batches = self._stage_axis([first] + [self._zeros_like(first, k) for k in range(1, K)])
+    flat, outs = self._program(length)(flat, *batches, np.int32(int(state["tick"])),
+                                       np.int32(T))
+    outs = jax.tree.map(lambda a: a.addressable_data(self._index(a, K - 1)), outs)
+    stages = [{"flat": {n: a.addressable_data(self._index(a, k)) for n, a in flat.items()}}
+              for k in range(K)]
+    return {**state, "stages": stages}, outs
+
+  def _stage_axis(self, parts: list):
+    """Per-device pytrees of arrays (stage order) as arrays on the mesh, their blocks
+    along the leading axis."""
+    K, sharding = len(parts), NamedSharding(self.mesh, P(AXIS))
+    leaves = [jax.tree.leaves(p) for p in parts]
+    out = [jax.make_array_from_single_device_arrays((K * a.shape[0],) + a.shape[1:], sharding,
+                                                    list(column))
+           for a, column in zip(leaves[0], zip(*leaves))]
+    return jax.tree.unflatten(jax.tree.structure(parts[0]), out)
+
+  def _zeros_like(self, tree, k: int):
+    """Cached zeros shaped like `tree`'s leaves on stage k's device (the batches' place on
+    the devices that do not read them)."""
+    key = ("zeros", k, tuple((np.shape(a), jnp.dtype(a.dtype).name)
+                             for a in jax.tree.leaves(tree)))
+    if key not in self._fns:
+      self._fns[key] = jax.tree.map(
+          lambda a: jnp.zeros(np.shape(a), a.dtype, device=self.devices[k]), tree)
+    return self._fns[key]
+
+  def _index(self, array, k: int) -> int:
+    """Which of `array`'s addressable buffers lies on stage k's device."""
+    key = ("index", array.sharding, k)
+    if key not in self._fns:
+      self._fns[key] = [s.device for s in array.addressable_shards].index(self.devices[k])
+    return self._fns[key]
+
+
+def _leading(tree, device):
+  """`tree` with a leading axis of 1 added, on `device`."""
+  if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(tree)):
+    return jax.device_put(jax.tree.map(lambda a: a[None], tree), device)
+  return _expand(jax.device_put(tree, device))
+
+
+@jax.jit
+def _expand(tree):
+  return jax.tree.map(lambda a: a[None], tree)
+
+
+@jax.jit
+def _first_row(out):
+  """`run`'s metrics of one tick: (the last stage's values, per-stage `updated` scalars)."""
+  metrics = {n: a[0] for n, a in out.items() if n not in ("updated", "valid")}
+  return metrics, tuple(out["updated"][0, k] for k in range(out["updated"].shape[1]))
+
+
+def _join(kinds: dict, lengths: dict) -> dict:
+  """{kind: {dtype: vector}} -> {dtype: the kinds' vectors one after another}."""
+  names = sorted({n for kind in KINDS for n in lengths[kind]})
+  return {n: jnp.concatenate([kinds[kind][n] for kind in KINDS if n in lengths[kind]])
+          for n in names}
+
+
+def _part(vectors: dict, lengths: dict) -> dict:
+  """The inverse of `_join`."""
+  out, offset = {kind: {} for kind in KINDS}, dict.fromkeys(vectors, 0)
+  for kind in KINDS:
+    for n, L in lengths[kind].items():
+      out[kind][n] = vectors[n][offset[n]:offset[n] + L]
+      offset[n] += L
+  return out
 
 
 def _free(tree) -> None:

@@ -362,7 +362,8 @@ def bench_dispatch(args) -> list[dict]:
 
   Each (algorithm, K) is timed through `step` and `run` (--paths), on K devices (the
   per-stage engine: a jitted call per stage, 2K-1 per tick for BP and DDG, K for FDG, plus
-  the moves of the messages) and on one device (the fused engine: one program per call).
+  the moves of the messages; for FDG's `run` also the SPMD engine: one program over the K
+  devices per call) and on one device (the fused engine: one program per call).
   """
   if args.dispatch_model == "tiny":
     name, kwargs, shape, batch_size = TINY
@@ -375,12 +376,14 @@ def bench_dispatch(args) -> list[dict]:
   for K in args.stages:
     _, stages, params, states = build_stages(model, K, split, batch_size)
     devices, where = placement_for(K)
-    places = [(devices, where, "per_stage")] if devices else []
+    places = [(devices, where, "per_stage"), (devices, where, "spmd")] if devices else []
     places.append((None, "1 device", "fused"))
     for path, T in _paths(args):
       for devs, label, engine in places:
         batch = random_batch(model, batch_size, devs[0] if devs else None)
         for algorithm in args.algorithms:
+          if engine == "spmd" and (algorithm != "fdg" or not T):
+            continue  # FDG only; its `step` is the per-stage engine's
           schedule = make_schedule(algorithm, stages, devices=devs, engine=engine)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))
           rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
