@@ -89,32 +89,30 @@ def _pad(vector, length: int, name: str):
 
 
 class FlatRing:
-  """A stash ring of D slots as flat vectors per dtype, slot after slot.
+  """Stage k's stash inside the SPMD program, as `_stage_work` sees it.
 
+  The ring itself (flat vectors per dtype, slot after slot) stays outside the switch on the
+  stage index: a switch's operands and results are copied, and the ring is the largest
+  buffer a stage holds. Before the switch the engine slices out the slot this tick reads
+  (`pops % D`, where `_stage_work` reads); `write` only records the entry, which the engine
+  writes after the switch to slot `pushes % D` (where `_stage_work` writes), in place.
   `Schedule._ring_read` / `_ring_write` call `read` and `write` for such a ring; the other
   engines keep one [D, ...] buffer per leaf.
   """
 
-  def __init__(self, vectors: dict, slot: Flat):
-    self.vectors, self.slot = vectors, slot
+  def __init__(self, segment: dict, slot: Flat, written=None):
+    self.segment, self.slot, self.written = segment, slot, written
 
   def read(self, index):
-    """Stash entry `index`: one dynamic slice per dtype, then static slices."""
-    return tuple(self.slot.unpack({
-        name: jax.lax.dynamic_slice(self.vectors[name], (index * n,), (n,))
-        for name, n in self.slot.sizes.items()}))
+    """The entry of the slot read this tick (`index`, computed alike before the switch)."""
+    del index
+    return tuple(self.slot.unpack(self.segment))
 
   def write(self, index, entry, flag) -> "FlatRing":
-    """The ring with `entry` written to slot `index` where `flag`."""
-    new = self.slot.pack(tuple(jax.tree.leaves(entry)))
-    vectors = dict(self.vectors)
-    for name, n in self.slot.sizes.items():
-      at = (index * n,)
-      value = new[name]
-      if flag is not True:
-        value = jnp.where(flag, value, jax.lax.dynamic_slice(vectors[name], at, (n,)))
-      vectors[name] = jax.lax.dynamic_update_slice(vectors[name], value, at)
-    return FlatRing(vectors, self.slot)
+    """Records `entry` (packed) and `flag` for the write after the switch."""
+    del index
+    return FlatRing(self.segment, self.slot, (self.slot.pack(tuple(jax.tree.leaves(entry))),
+                                              flag))
 
 
 class Engine:
@@ -150,13 +148,21 @@ class Engine:
 
   # ------------------------------------------------------------------ layouts
   def layouts(self):
-    """Per stage and kind, its `Flat` (core: the Layout's buffers), and the padded lengths."""
+    """(per stage and kind its `Flat`, per kind and dtype the padded length, per dtype the
+    largest slot).
+
+    A ring vector holds the largest stage's D_k slots, and room to write a slot of the
+    largest size at any stage's last slot (the program writes that many elements).
+    """
     if self._layouts is not None:
       return self._layouts
     s, K = self.schedule, self.schedule.num_stages
     flats = []
     for k in range(K):
       core_lay = s._core_layouts[k]
+      if any(name.startswith("leaf") for name in core_lay.names):
+        raise ValueError("engine='spmd' packs the state into flat buffers and cannot hold "
+                         "typed PRNG keys; pass raw uint32 keys (jax.random.PRNGKey)")
       core = Flat.of({name: jax.ShapeDtypeStruct((sum(int(np.prod(core_lay.shapes[i]))
                                                       for i in idx),), name)
                       for name, idx in core_lay.groups})
@@ -165,20 +171,48 @@ class Engine:
       cot = Flat.of(s._act_specs[k][0]) if k < K - 1 else None
       flats.append({"core": core, "ring": ring, "act": act, "cot": cot})
     lengths = {kind: {} for kind in KINDS}
+    slots: dict[str, int] = {}
     for k, f in enumerate(flats):
-      D = s.ring_sizes[k]
       for kind in KINDS:
         if f[kind] is None:
           continue
-        scale = D if kind == "ring" else 1
+        scale = s.ring_sizes[k] if kind == "ring" else 1
         for name, n in f[kind].sizes.items():
           lengths[kind][name] = max(lengths[kind].get(name, 0), scale * n)
-    self._layouts = flats, lengths
+          if kind == "ring":
+            slots[name] = max(slots.get(name, 0), n)
+    for name, n in slots.items():  # room to write the largest slot at any stage's last
+      lengths["ring"][name] = max([lengths["ring"][name]] + [
+          (s.ring_sizes[k] - 1) * f["ring"].sizes.get(name, 0) + n
+          for k, f in enumerate(flats) if f["ring"] is not None])
+    self._layouts = flats, lengths, slots
     return self._layouts
+
+  def _tables(self) -> dict:
+    """Per-stage constants the program indexes by its stage: ring size, where the `pops`
+    and `pushes` counters sit in the int32 core vector, and the slot size per dtype."""
+    s, K = self.schedule, self.schedule.num_stages
+    flats, _, slots = self.layouts()
+    table = {"ring_size": [], "pops_at": [], "pushes_at": []}
+    table.update({"slot_" + name: [] for name in slots})
+    for k in range(K):
+      lay = s._core_layouts[k]
+      index = lay.treedef.unflatten(range(len(lay.shapes)))  # leaf index of each entry
+      offsets, at = {}, 0
+      for i in dict(lay.groups)["int32"]:
+        offsets[i] = at
+        at += int(np.prod(lay.shapes[i]))
+      table["ring_size"].append(s.ring_sizes[k] if k < K - 1 else 1)
+      table["pops_at"].append(offsets[index["pops"]])
+      table["pushes_at"].append(offsets[index["pushes"]])
+      ring = flats[k]["ring"]
+      for name in slots:
+        table["slot_" + name].append(ring.sizes.get(name, 0) if ring is not None else 0)
+    return {name: np.asarray(v, np.int32) for name, v in table.items()}
 
   def ring_bytes(self) -> int:
     """Bytes of one device's padded ring vectors."""
-    _, lengths = self.layouts()
+    _, lengths, _ = self.layouts()
     return sum(L * jnp.dtype(n).itemsize for n, L in lengths["ring"].items())
 
   # ------------------------------------------------------------------ state in and out
@@ -187,7 +221,7 @@ class Engine:
     key = ("stack", k)
     if key in self._fns:
       return self._fns[key]
-    flats, lengths = self.layouts()
+    flats, lengths, _ = self.layouts()
     f, D = flats[k], self.schedule.ring_sizes[k]
 
     def stack(packed, box):
@@ -215,7 +249,7 @@ class Engine:
     if key in self._fns:
       return self._fns[key]
     s = self.schedule
-    flats, lengths = self.layouts()
+    flats, lengths, _ = self.layouts()
     f, D = flats[k], s.ring_sizes[k]
 
     def split(vectors):
@@ -242,47 +276,48 @@ class Engine:
 
   # ------------------------------------------------------------------ the program
   def _branch(self, k: int):
-    """Stage k's tick on its padded vectors: the body of switch branch k."""
+    """Stage k's tick on its padded vectors: the body of switch branch k.
+
+    (core, slot read, act in, cot in, batch, t) -> (core, (entry written, flag),
+    (act out, sent), (cot out, sent), batch updated, metrics, valid): everything but the
+    core is a message or a slot, never the ring (see `FlatRing`).
+    """
     s, K = self.schedule, self.schedule.num_stages
-    flats, lengths = self.layouts()
+    flats, lengths, slots = self.layouts()
     f = flats[k]
 
-    def zeros(kind):
-      return {n: jnp.zeros((L,), n) for n, L in lengths[kind].items()}
+    def zeros(lens):
+      return {n: jnp.zeros((L,), n) for n, L in lens.items()}
 
-    def branch(v, batch, t):
-      state = dict(s._core_layouts[k].unpack(f["core"].unpack(v["core"])))
+    def branch(core, segment, act_in, cot_in, batch, t):
+      state = dict(s._core_layouts[k].unpack(f["core"].unpack(core)))
       if f["ring"] is not None:
-        state["stash"] = FlatRing(v["ring"], f["ring"])
-      act_in = batch if k == 0 else f["act"].unpack(v["act"])
+        state["stash"] = FlatRing(segment, f["ring"])
+      act = batch if k == 0 else f["act"].unpack(act_in)
+      written = (zeros(slots), jnp.asarray(False))
       if k == K - 1:
         active = s._flags(k, t)[0]
-        state, cot, metrics = s._last_work(state, act_in, active)
-        act_out, act_sent = zeros("act"), jnp.asarray(False)
-        cot_sent = jnp.asarray(active)
-        updated = jnp.where(active, metrics["batch"], jnp.int32(-1)).astype(jnp.int32)
-        valid = jnp.asarray(active)
+        state, cot, metrics = s._last_work(state, act, active)
+        act_out, act_sent, cot_sent = zeros(lengths["act"]), False, active
+        updated = jnp.where(active, metrics["batch"], -1)
+        valid = active
       else:
         do_fwd, do_bwd = s._flags(k, t)
-        cot_in = f["cot"].unpack(v["cot"])
-        state, act, cot, updated = s._stage_work(k, state, act_in, cot_in, do_fwd, do_bwd)
+        state, act, cot, updated = s._stage_work(k, state, act, f["cot"].unpack(cot_in),
+                                                 do_fwd, do_bwd)
         act_out = flats[k + 1]["act"].pack(act, lengths["act"])
-        act_sent, cot_sent = jnp.asarray(do_fwd), jnp.asarray(do_bwd)
+        act_sent, cot_sent = do_fwd, do_bwd
         metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s._metrics_spec())
-        updated = jnp.asarray(updated, jnp.int32)
-        valid = jnp.asarray(False)
-      cot_out = (flats[k - 1]["cot"].pack(cot, lengths["cot"]) if k > 0 and cot is not None
-                 else zeros("cot"))
-      if k == 0:
-        cot_sent = jnp.asarray(False)
-      out = dict(v)
-      ring = state.pop("stash", None)
-      if ring is not None:
-        out["ring"] = ring.vectors
-      core = f["core"].pack(s._core_layouts[k].pack(state))
-      out["core"] = {n: (v["core"][n].at[:core[n].shape[0]].set(core[n]) if n in core
-                         else v["core"][n]) for n in v["core"]}
-      return out, (act_out, act_sent), (cot_out, cot_sent), updated, metrics, valid
+        entry, flag = state.pop("stash").written
+        written = ({n: _pad(entry.get(n), L, n) for n, L in slots.items()}, jnp.asarray(flag))
+        valid = False
+      if k > 0:
+        cot_out = flats[k - 1]["cot"].pack(cot, lengths["cot"])
+      else:
+        cot_out, cot_sent = zeros(lengths["cot"]), False
+      core = f["core"].pack(s._core_layouts[k].pack(state), lengths["core"])
+      return (core, written, (act_out, jnp.asarray(act_sent)), (cot_out, jnp.asarray(cot_sent)),
+              jnp.asarray(updated, jnp.int32), metrics, jnp.asarray(valid))
 
     return branch
 
@@ -297,11 +332,15 @@ class Engine:
     down = [(j + 1, j) for j in range(K - 1)]
     spec = s._metrics_spec()
 
-    flats, lengths = self.layouts()
+    flats, lengths, slots = self.layouts()
 
     def per_device(vectors, xs, ys, t0, n):
       v = _part(vectors, lengths)  # xs, ys: real on stage 0's device only
       k = jax.lax.axis_index(AXIS)
+      table = self._tables()
+      D, pops_at, pushes_at = (jnp.asarray(table[name])[k]
+                               for name in ("ring_size", "pops_at", "pushes_at"))
+      size = {name: jnp.asarray(table["slot_" + name])[k] for name in slots}
       outs = {name: jnp.zeros((length,) + a.shape, a.dtype) for name, a in spec.items()}
       outs["valid"] = jnp.zeros((length,), bool)
       outs["updated"] = jnp.full((length,), -1, jnp.int32)
@@ -309,12 +348,26 @@ class Engine:
       def body(i, carry):
         v, outs = carry
         batch = (jax.tree.map(lambda a: a[i], xs), jax.tree.map(lambda a: a[i], ys))
-        v, act, cot, updated, metrics, valid = jax.lax.switch(k, branches, v, batch, t0 + i)
+        # The slot this tick reads and the one it writes, from the counters before the tick.
+        counters = v["core"]["int32"]
+        read_at, write_at = counters[pops_at] % D, counters[pushes_at] % D
+        ring = v["ring"]
+        segment = {name: jax.lax.dynamic_slice(ring[name], (read_at * size[name],), (L,))
+                   for name, L in slots.items()}
+        core, (entry, flag), act, cot, updated, metrics, valid = jax.lax.switch(
+            k, branches, v["core"], segment, v["act"], v["cot"], batch, t0 + i)
+        ring = dict(ring)
+        for name, L in slots.items():
+          at = (write_at * size[name],)
+          old = jax.lax.dynamic_slice(ring[name], at, (L,))
+          keep = flag & (jnp.arange(L) < size[name])  # a smaller slot: the rest stays
+          ring[name] = jax.lax.dynamic_update_slice(ring[name], jnp.where(keep, entry[name], old),
+                                                    at)
         act_in, act_sent = jax.lax.ppermute(act, AXIS, up)
         cot_in, cot_sent = jax.lax.ppermute(cot, AXIS, down)
-        v = dict(v)
-        v["act"] = jax.tree.map(lambda new, old: jnp.where(act_sent, new, old), act_in, v["act"])
-        v["cot"] = jax.tree.map(lambda new, old: jnp.where(cot_sent, new, old), cot_in, v["cot"])
+        v = {"core": core, "ring": ring,
+             "act": jax.tree.map(lambda a, b: jnp.where(act_sent, a, b), act_in, v["act"]),
+             "cot": jax.tree.map(lambda a, b: jnp.where(cot_sent, a, b), cot_in, v["cot"])}
         row = {**metrics, "valid": valid, "updated": updated}
         outs = {name: outs[name].at[i].set(row[name]) for name in outs}
         return v, outs
