@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import fdg_jax
+from fdg_jax.placement import make_mesh
 from toy_models import assert_trees_close, batches, loss_fn, make_model
 
 
@@ -166,10 +167,107 @@ def test_state_is_a_few_buffers_per_stage():
     assert_trees_close(unpacked["params"], params[k], atol=0)
 
 
+def core_and_stash(sched, state):
+  """Every stage's unpacked core state and stash ring, whatever the engine's layout."""
+  K = sched.num_stages
+  return ([jax.device_get(sched.stage_state(state, k)) for k in range(K)],
+          [jax.device_get(sched.stash(state, k)) for k in range(K)])
+
+
+@pytest.mark.parametrize("K,kind,beta,backward,optimizer", [
+    (2, "bn", 0.5, "stash", "sgd"),
+    (3, "dropout", 1.0, "recompute", "sgd"),
+    (3, "bn", 1.0, "stash", "adam"),
+])
+def test_spmd_engine_equals_per_stage_steps(K, kind, beta, backward, optimizer):
+  """One program over the K devices (`run`, and `step` as run with T = 1) equals the
+  per-stage engine's steps: state, stash, `updated` trace and losses."""
+  stages, params, states = model(kind, K)
+  data = batches(13)
+  opt = (optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(0.05, momentum=0.9))
+         if optimizer == "sgd" else optax.adam(1e-2))
+  make = lambda **kw: fdg_jax.fdg(stages, loss_fn, opt, beta=beta, backward=backward,
+                                  devices=jax.devices()[:K], **kw)
+  ref = make()
+  ref_state = ref.init(params, states)
+  ref_trace, ref_losses = [], []
+  for b in data:
+    ref_state, m = ref.step(ref_state, b)
+    ref_trace.append([-1 if u is None else int(u) for u in m["updated"]])
+    ref_losses.append(float(m["loss"]) if "loss" in m else None)
+  expected = core_and_stash(ref, ref_state)
+  for how in ("run", "step", "mixed"):
+    sched = make(engine="spmd")
+    assert sched.engine == "spmd"
+    if how == "run":
+      state, trace = by_runs(sched, params, states, data, [1, 4, 8], pad=2)
+    elif how == "step":
+      state, trace = by_steps(sched, params, states, data)
+    else:  # steps and runs of several lengths over one state
+      state = sched.init(params, states)
+      xs, ys = stacked(data)
+      trace, losses = [], []
+      for start, n in ((0, 3), (3, 1), (4, 5), (9, 1), (10, 3)):
+        if n == 1:
+          state, m = sched.step(state, data[start])
+          trace.append([-1 if u is None else int(u) for u in m["updated"]])
+          losses.append(float(m["loss"]) if "loss" in m else None)
+        else:
+          state, m = sched.run(state, (xs[start:start + n], ys[start:start + n]))
+          trace += np.asarray(m["updated"]).tolist()
+          valid = np.asarray(m["valid"])
+          losses += [float(l) if v else None for l, v in zip(np.asarray(m["loss"]), valid)]
+      assert losses == pytest.approx(ref_losses, abs=1e-6), how
+    assert trace == ref_trace, how
+    got = core_and_stash(sched, state)
+    assert_trees_close(got[0], expected[0], atol=1e-6)
+    assert_trees_close(got[1], expected[1], atol=1e-6)
+  final = ref.params(ref_state)
+  for k in range(K):  # non-vacuous: every stage trained
+    assert not np.allclose(np.asarray(final[k]["w"]), np.asarray(params[k]["w"]))
+
+
+def test_spmd_engine_compiles_once_per_buffer_length_and_keeps_few_buffers():
+  K = 2
+  stages, params, states = model("bn", K)
+  data = batches(20)
+  sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05), devices=jax.devices()[:K],
+                      engine="spmd")
+  state = sched.init(params, states)
+  xs, ys = stacked(data)
+  start = 0
+  for n in (8, 3, 8, 1):
+    chunk = tuple(np.concatenate([a[start:start + n], np.zeros_like(a[:8 - n])])
+                  for a in (xs, ys))
+    state, _ = sched.run(state, chunk, num_ticks=n)
+    start += n
+  assert sched._spmd._program(8)._cache_size() == 1
+  for k in range(K):  # one padded vector per dtype per stage, on the stage's device
+    flat = state["stages"][k]["flat"]
+    assert sorted(flat) == ["bool", "float32", "int32", "uint32"]  # bool: ReLU masks
+    assert {a.devices().pop() for a in flat.values()} == {jax.devices()[k]}
+  # Every device holds a ring padded to the largest stage's (the last stage's too).
+  ref = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05), devices=jax.devices()[:K])
+  per_stage = ref.stash_bytes(ref.init(params, states, example_batch=data[0]))
+  spmd = sched.stash_bytes(state)
+  assert per_stage[K - 1] == 0 < per_stage[0] <= spmd[0]
+  assert spmd[K - 1] == spmd[0] - 4 * sched.ring_sizes[0]  # the same ring, no batch indices
+
+
 def test_bad_engine_arguments():
   stages, _, _ = model("bn", 2)
   with pytest.raises(ValueError, match="engine"):
-    fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="spmd")
+    fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="pipelined")
+  for make, match in (
+      (lambda: fdg_jax.ddg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2],
+                           engine="spmd"), "FDG only"),
+      (lambda: fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="spmd"), "distinct"),
+      (lambda: fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="spmd",
+                           mesh=make_mesh(2, 2)), "replicas"),
+      (lambda: fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2],
+                           engine="spmd", telemetry=True), "telemetry")):
+    with pytest.raises(ValueError, match=match):
+      make()
   with pytest.raises(ValueError, match="one device"):
     fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2], engine="fused")
   sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1))

@@ -362,8 +362,9 @@ def bench_dispatch(args) -> list[dict]:
 
   Each (algorithm, K) is timed through `step` and `run` (--paths), on K devices (the
   per-stage engine: a jitted call per stage, 2K-1 per tick for BP and DDG, K for FDG, plus
-  the moves of the messages; for FDG's `run` also the SPMD engine: one program over the K
-  devices per call) and on one device (the fused engine: one program per call).
+  the moves of the messages; for FDG also the SPMD engine: one program over the K devices
+  per call, `step` being `run` with T = 1) and on one device (the fused engine: one
+  program per call).
   """
   if args.dispatch_model == "tiny":
     name, kwargs, shape, batch_size = TINY
@@ -382,8 +383,8 @@ def bench_dispatch(args) -> list[dict]:
       for devs, label, engine in places:
         batch = random_batch(model, batch_size, devs[0] if devs else None)
         for algorithm in args.algorithms:
-          if engine == "spmd" and (algorithm != "fdg" or not T):
-            continue  # FDG only; its `step` is the per-stage engine's
+          if engine == "spmd" and algorithm != "fdg":
+            continue  # FDG only
           schedule = make_schedule(algorithm, stages, devices=devs, engine=engine)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))
           rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
