@@ -79,8 +79,18 @@ def validate_fields(config) -> None:
   if config.get("dtype", "float32") not in ("float32", "bfloat16"):
     _fail(f"unknown dtype {config.dtype!r}; use --config.dtype=float32|bfloat16 (bfloat16: "
           "compute and activations in bf16, float32 weights and optimizer state)")
-  if config.get("engine", "auto") not in ("auto", "fused", "per_stage"):
-    _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage")
+  engine = config.get("engine", "auto")
+  if engine not in ("auto", "fused", "per_stage", "spmd"):
+    _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage|spmd")
+  if engine == "spmd":
+    if config.algorithm != "fdg":
+      _fail(f"engine=spmd runs FDG only; use --config.engine=per_stage for "
+            f"{config.algorithm}")
+    if config.get("num_replicas", 1) > 1:
+      _fail("engine=spmd takes one device per stage and no replicas; use "
+            "--config.engine=per_stage with num_replicas > 1")
+    if config.get("telemetry_every_steps", 0) > 0:
+      _fail("engine=spmd has no staleness telemetry; use --config.engine=per_stage or fused")
   workers = config.get("data_workers", 0)
   if not isinstance(workers, int) or workers < 0:
     _fail(f"data_workers={workers} must be an integer >= 0 (0: decode in this process)")

@@ -82,7 +82,8 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
   processes otherwise (e.g. one device per process and K stages: a pipeline across
   processes, its messages crossing through collectives). Otherwise `engine`: "fused" runs
   every stage in one program on one device; "per_stage" puts stage k on device k (when
-  there are K devices, else all on the first); "auto" is fused on CPU, where forced devices
+  there are K devices, else all on the first); "spmd" (FDG) runs the ticks as one program
+  over K devices, one stage each; "auto" is fused on CPU, where forced devices
   share the host's cores (so stages apart gain nothing) and one program per call costs far
   less host time, and per_stage on K accelerators.
   """
@@ -105,6 +106,12 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
   if engine == "auto":
     apart = devices[0].platform != "cpu" and len(devices) >= num_stages > 1
     engine = "per_stage" if apart else "fused"
+  if engine == "spmd":
+    if len(devices) < num_stages:
+      raise ConfigError(f"engine=spmd puts each of the {num_stages} stages on its own device, "
+                        f"found {len(devices)}; set --config.num_cpu_devices={num_stages} "
+                        "on CPU, or use --config.engine=fused")
+    return {"devices": devices[:num_stages], "engine": engine}
   if engine == "per_stage" and len(devices) >= num_stages:
     return {"devices": devices[:num_stages], "engine": engine}
   return {"devices": None, "engine": engine}

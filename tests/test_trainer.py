@@ -109,9 +109,10 @@ def test_resume_is_bitwise_exact(stop_at, tmp_path):
 
 
 def test_engines_and_ticks_per_call_train_alike(tmp_path):
-  """One tick per call on a device per stage, or many per call in one fused program: same run."""
+  """One tick per call on a device per stage, many per call in one fused program, or in
+  one program over the stages' devices: same run."""
   runs = {}
-  for engine, ticks in (("per_stage", 1), ("fused", 8), ("fused", 1)):
+  for engine, ticks in (("per_stage", 1), ("fused", 8), ("fused", 1), ("spmd", 8)):
     c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=1, engine=engine,
                     ticks_per_call=ticks, beta=0.5)
     c.model_kwargs.widths = (16, 16, 16)
@@ -168,7 +169,7 @@ def test_paper_betas_are_used_by_default():
     ("log_every_steps", 0, "log_every_steps"),
     ("max_steps", 0, "max_steps"),
     ("lr_gamma", 0.0, "lr_gamma"),
-    ("engine", "spmd", "engine"),
+    ("engine", "pipelined", "engine"),
     ("ticks_per_call", 0, "ticks_per_call"),
     ("staleness", "magic", "unknown staleness"),
     ("telemetry_every_steps", -1, "telemetry_every_steps"),
@@ -180,6 +181,15 @@ def test_bad_config_is_one_clear_error(field, value, needle):
   with pytest.raises(trainer.ConfigError, match=needle) as e:
     trainer.validate(c)
   assert "\n" not in str(e.value)
+
+
+def test_spmd_engine_takes_fdg_only():
+  for overrides, needle in (({"algorithm": "ddg"}, "FDG only"),
+                            ({"algorithm": "fdg", "num_replicas": 2}, "no replicas"),
+                            ({"algorithm": "fdg", "telemetry_every_steps": 5}, "telemetry")):
+    with pytest.raises(trainer.ConfigError, match=needle) as e:
+      trainer.validate(tiny_config(engine="spmd", **overrides))
+    assert "\n" not in str(e.value)
 
 
 def test_batch_not_divisible_by_replicas():
