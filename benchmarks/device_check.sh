@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The engine's figures on an accelerator, in one bounded run (each benchmark is stopped
-# after LIMIT seconds; the whole script takes at most 6 x LIMIT, 9 minutes by default).
+# after LIMIT seconds; the whole script takes at most 7 x LIMIT, 9 min 20 s by default).
 #
 #   pip install --no-deps -e . && OUT=/tmp/device_check bash benchmarks/device_check.sh
 #
 # Writes each benchmark's JSON and log under $OUT and prints the tables. What it answers:
 #   nested         do backward convolutions run slowly inside loops/switches here, as on
 #                  XLA:CPU (the rule behind `Schedule.scan`)?
-#   dispatch_*     host time per stage per tick of `step` and `run`: tiny MLP, ResNet-110 K=4
-#                  (with its compile time)
+#   dispatch_*     host time per stage per tick of `step` and `run`: tiny MLP (every engine,
+#                  the SPMD program too), ResNet-110 K=4 (with its compile time; the SPMD
+#                  program separately, last: its compile time is not known)
 #   overhead_*     one device, FDG K=4 over BP K=1 per sample: quick-start MLP, ResNet-20 in
 #                  float32 and bfloat16
 # (Stash memory is exact on any machine: `python -m fdg_jax.bench memory` needs no accelerator.)
@@ -17,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_check}
-LIMIT=${LIMIT:-90}
+LIMIT=${LIMIT:-80}
 mkdir -p "$OUT"
 python -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
 
@@ -37,8 +38,12 @@ RESNET20=(--model resnet20 --batch_size 64 --stages 4 --split balanced --algorit
 
 run nested nested
 run dispatch_resnet110 dispatch --dispatch_model resnet110 --dispatch_batch 2 --split balanced \
-    --stages 4 --algorithms fdg --dispatch_ticks 16 --run_ticks 32 --repeats 3
+    --stages 4 --algorithms fdg --dispatch_ticks 16 --run_ticks 32 --repeats 3 \
+    --engines per_stage fused
 run overhead_resnet20_f32 overhead "${RESNET20[@]}" --dtype float32
 run overhead_resnet20_bf16 overhead "${RESNET20[@]}" --dtype bfloat16
 run dispatch_tiny dispatch --stages 4 --algorithms bp ddg fdg --repeats 3
 run overhead_quickstart overhead "${QUICKSTART[@]}" --ticks 64 --repeats 5
+run dispatch_resnet110_spmd dispatch --dispatch_model resnet110 --dispatch_batch 2 \
+    --split balanced --stages 4 --algorithms fdg --dispatch_ticks 64 --run_ticks 32 \
+    --repeats 3 --engines spmd --paths run

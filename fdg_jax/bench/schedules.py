@@ -377,8 +377,9 @@ def bench_dispatch(args) -> list[dict]:
   for K in args.stages:
     _, stages, params, states = build_stages(model, K, split, batch_size)
     devices, where = placement_for(K)
-    places = [(devices, where, "per_stage"), (devices, where, "spmd")] if devices else []
+    places = [(devices, where, e) for e in ("per_stage", "spmd") if devices]
     places.append((None, "1 device", "fused"))
+    places = [p for p in places if p[2] in args.engines]
     for path, T in _paths(args):
       for devs, label, engine in places:
         batch = random_batch(model, batch_size, devs[0] if devs else None)
@@ -782,6 +783,9 @@ def parse_args(argv=None):
   parser.add_argument("--paths", nargs="+", default=["run", "step"], choices=("run", "step"),
                       help="how overhead and dispatch call the schedule")
   parser.add_argument("--run_ticks", type=int, default=32, help="T of each run call")
+  parser.add_argument("--engines", nargs="+", default=["per_stage", "spmd", "fused"],
+                      choices=("per_stage", "spmd", "fused"),
+                      help="dispatch: the engines timed (per_stage and spmd on K devices)")
   parser.add_argument("--presets", nargs="+", default=["resnet20", "mlp_digits", "vit"],
                       choices=sorted(PRESETS), help="memory benchmark models")
   parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 16],
