@@ -86,9 +86,10 @@ def _params_equal(a, b):
   return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
 
 
-@pytest.mark.parametrize("stop_at", [2, 30])  # during the pipeline fill, and mid-run
-def test_resume_is_bitwise_exact(stop_at, tmp_path):
-  c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=2)
+# During the pipeline fill, and mid-run; the SPMD engine's state is checkpointed as it is.
+@pytest.mark.parametrize("stop_at,engine", [(2, "auto"), (30, "auto"), (30, "spmd")])
+def test_resume_is_bitwise_exact(stop_at, engine, tmp_path):
+  c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=2, engine=engine)
   c.model_kwargs.widths = (16, 16, 16)
   full = trainer.train_and_evaluate(c, str(tmp_path / "full"))
   c.max_steps = stop_at
