@@ -371,6 +371,8 @@ def bench_dispatch(args) -> list[dict]:
     split = "uniform"
   else:
     name, kwargs, shape, batch_size = args.dispatch_model, {}, None, args.dispatch_batch
+    if name == args.model:  # --model_kwargs and --input_shape apply to it
+      kwargs, shape = args.model_kwargs, args.input_shape
     split = args.split
   model = build_model(name, kwargs, shape)
   rows, entries = [], []
