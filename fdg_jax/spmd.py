@@ -6,18 +6,19 @@ ticks; at each it runs its own stage's work, chosen by `lax.switch` on its stage
 among the K stages' `_stage_work` / `_last_work` (the pure functions every engine calls),
 then activations move up and cotangents down with one `lax.ppermute` each. FDG only: its
 stages read only the messages of the previous tick, so a tick is one round of local work
-and one exchange (BP and DDG chain stages within a tick).
+and one exchange (BP and DDG chain stages within a tick). `step` is `run` with T = 1.
 
 Stages differ in shapes, while a switch's branches and a shard_map's blocks must agree, so
-inside the program each device's state is a flat vector per dtype and kind (core state,
-stash ring, incoming activation, incoming cotangent), padded to the largest stage's size
-(`Flat`). A ring vector holds its D slots one after another; a slot is read and written
-with a dynamic slice (`FlatRing`). Between calls the state keeps the per-stage layout of
-the other engines, so `step`, the accessors and checkpoints are unchanged: `run` stacks it
-on entry and splits it on exit with one jitted call per stage each way.
+a stage's state is held as one flat vector per dtype, padded to the largest stage's size:
+its core state (the `Layout` buffers of the other engines), its stash ring (D slots one
+after another), its incoming activation and its incoming cotangent, one after another
+(`_join`). The schedule state keeps these vectors between calls (`state["stages"][k]
+["flat"]`), so a call assembles them into mesh arrays without copying and carries a few
+buffers per stage whatever the model. The stash ring stays outside the switch (see
+`FlatRing`).
 
-Inputs are replicated to every device (stage 0 reads the batch; the labels travel with the
-activations, as in the other engines): T batches cost K copies of the input on device.
+The batches reach stage 0's device only (the labels travel with the activations, as in the
+other engines); the other devices hold cached zeros of their shape.
 """
 
 from __future__ import annotations
@@ -116,12 +117,12 @@ class FlatRing:
 
 
 class Engine:
-  """The SPMD `run` of one schedule (built lazily, once its shapes are known)."""
+  """The SPMD `run` and `step` of one schedule (its programs built once its shapes are
+  known, at the state's allocation)."""
 
   def __init__(self, schedule):
     self.schedule = schedule
-    K, P_ = schedule.num_stages, schedule.placement
-    self.devices = [next(iter(s.device_set)) for s in P_.state_shardings]
+    self.devices = [next(iter(s.device_set)) for s in schedule.placement.state_shardings]
     self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
     self._layouts = None
     self._fns: dict = {}
