@@ -55,8 +55,26 @@ class Layout:
   def names(self) -> tuple[str, ...]:
     return tuple(name for name, _ in self.groups)
 
-  def pack(self, tree: PyTree) -> dict:
-    """The buffers of `tree` (works traced and eagerly)."""
+  @property
+  def sizes(self) -> dict[str, int]:
+    """Each concatenated buffer's length (buffers of a kept leaf are left out)."""
+    return {name: sum(int(np.prod(self.shapes[i])) for i in idx)
+            for name, idx in self.groups if not name.startswith("leaf")}
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    """Where each leaf starts in its buffer."""
+    out = [0] * len(self.shapes)
+    for _, idx in self.groups:
+      at = 0
+      for i in idx:
+        out[i] = at
+        at += int(np.prod(self.shapes[i]))
+    return tuple(out)
+
+  def pack(self, tree: PyTree, lengths: dict | None = None) -> dict:
+    """The buffers of `tree` (works traced and eagerly); with `lengths`, one buffer per
+    name there, zero-padded to that length (zeros for a name `tree` lacks)."""
     leaves = self.treedef.flatten_up_to(tree)
     out = {}
     for name, idx in self.groups:
@@ -65,10 +83,12 @@ class Layout:
         continue
       parts = [jnp.ravel(leaves[i]) for i in idx]
       out[name] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return out
+    if lengths is None:
+      return out
+    return {name: pad(out.get(name), n, name) for name, n in lengths.items()}
 
   def unpack(self, buffers: dict) -> PyTree:
-    """The pytree held in `buffers` (static slices and reshapes)."""
+    """The pytree held in `buffers` (static slices and reshapes; longer buffers are fine)."""
     leaves: list = [None] * len(self.shapes)
     for name, idx in self.groups:
       buf = buffers[name]
@@ -81,3 +101,12 @@ class Layout:
         leaves[i] = buf[offset:offset + n].reshape(self.shapes[i])
         offset += n
     return self.treedef.unflatten(leaves)
+
+
+def pad(buffer, length: int, dtype):
+  """`buffer` (or nothing: zeros) zero-padded to `length`."""
+  if buffer is None:
+    return jnp.zeros((length,), dtype)
+  if buffer.shape[0] == length:
+    return buffer
+  return jnp.concatenate([buffer, jnp.zeros((length - buffer.shape[0],), buffer.dtype)])

@@ -23,70 +23,24 @@ other engines); the other devices hold cached zeros of their shape.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from fdg_jax.packing import Layout, pad as _pad
+
 AXIS = "stage"
 KINDS = ("core", "ring", "act", "cot")
 
 
-@dataclasses.dataclass(frozen=True)
-class Flat:
-  """A pytree of fixed shapes and dtypes as one flat vector per dtype (leaves in order)."""
-
-  treedef: Any
-  shapes: tuple
-  dtypes: tuple
-  offsets: tuple  # per leaf: where it starts in its dtype's vector
-  sizes: dict     # dtype name -> the vector's length
-
-  @classmethod
-  def of(cls, tree) -> "Flat":
-    leaves, treedef = jax.tree.flatten(tree)
-    shapes = tuple(tuple(np.shape(a)) for a in leaves)
-    dtypes = tuple(jnp.dtype(a.dtype) for a in leaves)
-    sizes: dict[str, int] = {}
-    offsets = []
-    for shape, dt in zip(shapes, dtypes):
-      if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
-        raise ValueError("engine='spmd' packs the state into flat buffers and cannot hold "
-                         "typed PRNG keys; pass raw uint32 keys (jax.random.PRNGKey)")
-      offsets.append(sizes.get(dt.name, 0))
-      sizes[dt.name] = offsets[-1] + int(np.prod(shape))
-    return cls(treedef, shapes, dtypes, tuple(offsets), sizes)
-
-  def pack(self, tree, lengths: dict | None = None) -> dict:
-    """The vectors of `tree`; with `lengths`, one per name there, zero-padded to it."""
-    leaves = self.treedef.flatten_up_to(tree)
-    parts: dict[str, list] = {}
-    for a, dt in zip(leaves, self.dtypes):
-      parts.setdefault(dt.name, []).append(jnp.ravel(a).astype(dt))
-    out = {name: (p[0] if len(p) == 1 else jnp.concatenate(p)) for name, p in parts.items()}
-    if lengths is None:
-      return out
-    return {name: _pad(out.get(name), n, name) for name, n in lengths.items()}
-
-  def unpack(self, vectors: dict):
-    """The pytree held in `vectors` (static slices of possibly longer vectors)."""
-    leaves = []
-    for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets):
-      n = int(np.prod(shape))
-      leaves.append(vectors[dt.name][off:off + n].reshape(shape))
-    return self.treedef.unflatten(leaves)
-
-
-def _pad(vector, length: int, name: str):
-  """`vector` (or nothing) zero-padded to `length`."""
-  if vector is None:
-    return jnp.zeros((length,), name)
-  if vector.shape[0] == length:
-    return vector
-  return jnp.concatenate([vector, jnp.zeros((length - vector.shape[0],), vector.dtype)])
+def _layout(tree) -> Layout:
+  """The `Layout` of `tree`, which must pack whole (every leaf in a dtype's buffer)."""
+  layout = Layout.of(tree)
+  if any(name.startswith("leaf") for name in layout.names):
+    raise ValueError("engine='spmd' packs the state into flat buffers and cannot hold "
+                     "typed PRNG keys; pass raw uint32 keys (jax.random.PRNGKey)")
+  return layout
 
 
 class FlatRing:
@@ -101,7 +55,7 @@ class FlatRing:
   engines keep one [D, ...] buffer per leaf.
   """
 
-  def __init__(self, segment: dict, slot: Flat, written=None):
+  def __init__(self, segment: dict, slot: Layout, written=None):
     self.segment, self.slot, self.written = segment, slot, written
 
   def read(self, index):
@@ -149,7 +103,7 @@ class Engine:
 
   # ------------------------------------------------------------------ layouts
   def layouts(self):
-    """(per stage and kind its `Flat`, per kind and dtype the padded length, per dtype the
+    """(per stage and kind its `Layout`, per kind and dtype the padded length, per dtype the
     largest slot).
 
     A ring vector holds the largest stage's D_k slots, and room to write a slot of the
@@ -160,16 +114,11 @@ class Engine:
     s, K = self.schedule, self.schedule.num_stages
     flats = []
     for k in range(K):
-      core_lay = s._core_layouts[k]
-      if any(name.startswith("leaf") for name in core_lay.names):
-        raise ValueError("engine='spmd' packs the state into flat buffers and cannot hold "
-                         "typed PRNG keys; pass raw uint32 keys (jax.random.PRNGKey)")
-      core = Flat.of({name: jax.ShapeDtypeStruct((sum(int(np.prod(core_lay.shapes[i]))
-                                                      for i in idx),), name)
-                      for name, idx in core_lay.groups})
-      ring = Flat.of(tuple(s._entry_specs[k])) if k < K - 1 else None
-      act = Flat.of(s._act_specs[k - 1]) if k > 0 else None
-      cot = Flat.of(s._act_specs[k][0]) if k < K - 1 else None
+      core = _layout({name: jax.ShapeDtypeStruct((n,), name)
+                      for name, n in _layout(s._core_spec(k)).sizes.items()})
+      ring = _layout(tuple(s._entry_specs[k])) if k < K - 1 else None
+      act = _layout(s._act_specs[k - 1]) if k > 0 else None
+      cot = _layout(s._act_specs[k][0]) if k < K - 1 else None
       flats.append({"core": core, "ring": ring, "act": act, "cot": cot})
     lengths = {kind: {} for kind in KINDS}
     slots: dict[str, int] = {}
