@@ -167,6 +167,23 @@ def test_state_is_a_few_buffers_per_stage():
     assert_trees_close(unpacked["params"], params[k], atol=0)
 
 
+def test_layout_pads_and_unpacks_longer_buffers():
+  """`packing.Layout`: per-dtype buffers, their sizes and leaf offsets, zero padding, and
+  unpacking from padded buffers (the SPMD engine's vectors)."""
+  from fdg_jax.packing import Layout
+  tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.arange(4, dtype=jnp.int32),
+          "c": jnp.full((2,), 7.0)}
+  lay = Layout.of(tree)
+  assert lay.sizes == {"float32": 8, "int32": 4}
+  assert lay.offsets == (0, 0, 6)  # a, b, c: c follows a in the float32 buffer
+  packed = lay.pack(tree, {"float32": 10, "int32": 4, "bool": 3})
+  assert {n: v.shape for n, v in packed.items()} == {"float32": (10,), "int32": (4,),
+                                                      "bool": (3,)}
+  np.testing.assert_array_equal(packed["float32"], [0, 1, 2, 3, 4, 5, 7, 7, 0, 0])
+  assert not packed["bool"].any()
+  assert_trees_close(lay.unpack(packed), tree, atol=0)
+
+
 def core_and_stash(sched, state):
   """Every stage's unpacked core state and stash ring, whatever the engine's layout."""
   K = sched.num_stages
