@@ -642,8 +642,9 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
   host time: with `host_s` = {"fdg": h, "ddg": h'} (seconds for `step` to return, measured
   for the per-stage engine on K devices), the asynchronous ticks cannot be shorter than the
   host's dispatch of one tick: fdg_async/ddg_async become max(T, h) and are flagged
-  `host_bound` where h > T (the devices then wait for the host; `run` with the fused engine,
-  or fewer leaves per call, is the remedy).
+  `host_bound` where h > T (the devices then wait for the host; the remedies: `run` with
+  the fused engine on one device, or, for FDG on K devices, the SPMD engine, one call per T
+  ticks).
 
   gpipe_M: synchronous pipeline, M micro-batches of B/M with per-micro-batch times f_k/M,
           b_k/M, c_k/M (linear scaling: optimistic for small micro-batches); forward then
