@@ -17,7 +17,7 @@ One definition of a tick. A stage's work at a tick is one pure function of (stag
 arriving activation, arriving cotangent, whether it forwards, whether it backwards) ->
 (stage state, activation to send, cotangent to send, batch updated); the last stage's is
 (state, activation, active) -> (state, cotangent, metrics). `_tick` composes them in the
-order of ALGORITHMS.md. Two engines run that same composition:
+order of ALGORITHMS.md. Three engines run those same functions:
 
 - fused (every stage on one device): `_tick` inside one jitted program over all K stages;
   `run` scans it over T ticks (or, where the platform runs nested backward convolutions
@@ -26,6 +26,9 @@ order of ALGORITHMS.md. Two engines run that same composition:
   jitted call on its devices, and messages move between them with the `Placement`
   (`jax.device_put`; shard by shard in a multi-process run). `step` runs one tick, `run`
   runs T ticks from the host.
+- SPMD (FDG, a device per stage, `engine="spmd"`; `fdg_jax.spmd`): T ticks as one program
+  over the K devices, each switching to its own stage's work, messages moving by
+  `ppermute`; the state is kept as padded flat vectors per stage.
 
 Whether a stage forwards or backwards at tick t (warm-up) is known from t: on the host the
 flags are Python booleans and select a compiled variant; inside a program whose ticks may
@@ -107,7 +110,9 @@ class Schedule:
   """A decoupled-training schedule over K stages. Build with `bp`, `ddg` or `fdg`.
 
   Public methods: `init`, `step` (one tick), `run` (T ticks in one call), `params`,
-  `model_states`, `stage_state`, `evaluate`, `stash_bytes`. The state is a pytree of device
+  `model_states`, `stage_state`, `stash`, `evaluate`, `stash_bytes`. `engine`: "auto"
+  (fused on one device, else per-stage), "fused", "per_stage" or "spmd" (see the module
+  docstring). The state is a pytree of device
   arrays plus a host integer `tick`; `step` and `run` consume (donate) the state they are
   given, so always continue from the state they return.
   """
