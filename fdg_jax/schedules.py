@@ -859,7 +859,7 @@ class Schedule:
     for the last stage) stash_batch. The stash: `stash`."""
     if k not in self._unpack_fns:
       self._unpack_fns[k] = jax.jit(self._core_layouts[k].unpack)
-    return self._unpack_fns[k](self._packed_stage(state, k)["core"])
+    return self._unpack_fns[k](self._core(state, k))
 
   def stash(self, state, k: int) -> tuple:
     """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last)."""
@@ -869,6 +869,11 @@ class Schedule:
     """Stage k's packed state ({"core": ..., "stash": ...}), whatever the engine's layout."""
     s = state["stages"][k]
     return self._spmd.unflatten(state, k)[0] if "flat" in s else s
+
+  def _core(self, state, k: int) -> dict:
+    """Stage k's packed core buffers (no copy of the stash under any engine)."""
+    s = state["stages"][k]
+    return self._spmd.core(state, k) if "flat" in s else s["core"]
 
   def params(self, state) -> list:
     """The K per-stage parameter pytrees."""
@@ -885,13 +890,13 @@ class Schedule:
     """
     x = self.placement.put_batch(0, x)
     for k in range(self.num_stages):
-      s = self._packed_stage(state, k)
+      core = self._core(state, k)
       if k not in self._eval_fns:
         def fwd(core, a, k=k):
           s = self._core_layouts[k].unpack(core)
           return self.stages[k].apply(s["params"], s["model_state"], a, train=False)[0]
         self._eval_fns[k] = jax.jit(fwd)
-      x = self._eval_fns[k](s["core"], x)
+      x = self._eval_fns[k](core, x)
       if k + 1 < self.num_stages:
         x = self.placement.put_batch(k + 1, x)
     return x

@@ -352,6 +352,14 @@ class Engine:
     """Stage k's (packed state, inbox) in the other engines' layout (a copy)."""
     return self._split_fn(k)(state["stages"][k]["flat"])
 
+  def core(self, state, k: int) -> dict:
+    """Stage k's core buffers (the `Layout` ones of the other engines), without the ring."""
+    key = ("core", k)
+    if key not in self._fns:
+      flats, lengths, _ = self.layouts()
+      self._fns[key] = jax.jit(lambda v: flats[k]["core"].unpack(_part(v, lengths)["core"]))
+    return self._fns[key](state["stages"][k]["flat"])
+
   # ------------------------------------------------------------------ run and step
   def run(self, state, xs, ys, T: int, length: int):
     """T ticks from `state` over the first T of `length` batches (xs, ys: [length, ...]).
