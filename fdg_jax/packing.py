@@ -90,16 +90,15 @@ class Layout:
   def unpack(self, buffers: dict) -> PyTree:
     """The pytree held in `buffers` (static slices and reshapes; longer buffers are fine)."""
     leaves: list = [None] * len(self.shapes)
+    offsets = self.offsets
     for name, idx in self.groups:
       buf = buffers[name]
       if name.startswith("leaf"):
         leaves[idx[0]] = buf
         continue
-      offset = 0
       for i in idx:
         n = int(np.prod(self.shapes[i]))
-        leaves[i] = buf[offset:offset + n].reshape(self.shapes[i])
-        offset += n
+        leaves[i] = buf[offsets[i]:offsets[i] + n].reshape(self.shapes[i])
     return self.treedef.unflatten(leaves)
 
 

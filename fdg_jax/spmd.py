@@ -148,13 +148,9 @@ class Engine:
     for k in range(K):
       lay = s._core_layouts[k]
       index = lay.treedef.unflatten(range(len(lay.shapes)))  # leaf index of each entry
-      offsets, at = {}, 0
-      for i in dict(lay.groups)["int32"]:
-        offsets[i] = at
-        at += int(np.prod(lay.shapes[i]))
       table["ring_size"].append(s.ring_sizes[k] if k < K - 1 else 1)
-      table["pops_at"].append(offsets[index["pops"]])
-      table["pushes_at"].append(offsets[index["pushes"]])
+      table["pops_at"].append(lay.offsets[index["pops"]])  # both in the int32 buffer
+      table["pushes_at"].append(lay.offsets[index["pushes"]])
       ring = flats[k]["ring"]
       for name in slots:
         table["slot_" + name].append(ring.sizes.get(name, 0) if ring is not None else 0)
@@ -178,11 +174,8 @@ class Engine:
       out = {"core": f["core"].pack(packed["core"], lengths["core"])}
       ring = {}
       if f["ring"] is not None:  # [D, ...] per leaf -> slot after slot, per dtype
-        rows = f["ring"].treedef.flatten_up_to(tuple(packed["stash"]))
-        by_name: dict[str, list] = {}
-        for a, dt in zip(rows, f["ring"].dtypes):
-          by_name.setdefault(dt.name, []).append(a.reshape(D, -1))
-        ring = {n: jnp.concatenate(p, axis=1).reshape(-1) for n, p in by_name.items()}
+        rows = jax.vmap(f["ring"].pack)(tuple(packed["stash"]))
+        ring = {n: r.reshape(-1) for n, r in rows.items()}
       out["ring"] = {n: _pad(ring.get(n), L, n) for n, L in lengths["ring"].items()}
       for kind in ("act", "cot"):
         vec = f[kind].pack(box[kind]) if f[kind] is not None else {}
@@ -205,12 +198,9 @@ class Engine:
     def split(vectors):
       v = _part(vectors, lengths)
       packed = {"core": f["core"].unpack(v["core"])}
-      if f["ring"] is not None:
-        ring = f["ring"]
-        rows = {n: v["ring"][n][:D * m].reshape(D, m) for n, m in ring.sizes.items()}
-        leaves = [rows[dt.name][:, off:off + int(np.prod(shape))].reshape((D,) + shape)
-                  for shape, dt, off in zip(ring.shapes, ring.dtypes, ring.offsets)]
-        packed["stash"] = tuple(leaves)
+      if f["ring"] is not None:  # slot after slot -> [D, ...] per leaf
+        rows = {n: v["ring"][n][:D * m].reshape(D, m) for n, m in f["ring"].sizes.items()}
+        packed["stash"] = tuple(jax.vmap(f["ring"].unpack)(rows))
       box = {kind: f[kind].unpack(v[kind]) for kind in ("act", "cot") if f[kind] is not None}
       return packed, box
 
