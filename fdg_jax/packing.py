@@ -87,6 +87,17 @@ class Layout:
       return out
     return {name: pad(out.get(name), n, name) for name, n in lengths.items()}
 
+  def write(self, buffers: dict, tree: PyTree, at: dict) -> dict:
+    """`buffers` with `tree`'s leaves written in place from position `at[name]` of each
+    (traced positions allowed): `pack` and a dynamic update, without the packed copy."""
+    leaves = self.treedef.flatten_up_to(tree)
+    offsets, out = self.offsets, dict(buffers)
+    for name, idx in self.groups:
+      for i in idx:
+        out[name] = jax.lax.dynamic_update_slice(
+            out[name], jnp.ravel(leaves[i]).astype(out[name].dtype), (at[name] + offsets[i],))
+    return out
+
   def unpack(self, buffers: dict) -> PyTree:
     """The pytree held in `buffers` (static slices and reshapes; longer buffers are fine)."""
     leaves: list = [None] * len(self.shapes)
@@ -100,6 +111,34 @@ class Layout:
         n = int(np.prod(self.shapes[i]))
         leaves[i] = buf[offsets[i]:offsets[i] + n].reshape(self.shapes[i])
     return self.treedef.unflatten(leaves)
+
+
+class FlatRing:
+  """A stash ring held flat (slot after slot, one buffer per dtype), as `_stage_work` sees it
+  inside an engine that keeps the ring itself out of the stage's work.
+
+  XLA updates a buffer in place only where every read of it is ordered before the write; a
+  ring read at one slot and written at another by values that do not depend on that read
+  is otherwise copied whole, twice per call. So the engine reads the slot of this tick
+  before the work (`head`, a `Layout`'s buffers for one slot) and writes the entry the
+  work recorded after it: the per-stage engine takes the head from its state, where the
+  previous call left it, read after that call's write (`Schedule._stage_fn`); the SPMD
+  engine slices it before its switch on the stage (`fdg_jax.spmd`).
+  `Schedule._ring_read` / `_ring_write` call `read` and `write` for such a ring.
+  """
+
+  def __init__(self, head: dict, slot: "Layout", written=None):
+    self.head, self.slot, self.written = head, slot, written
+
+  def read(self, index):
+    """The entry of the slot read this tick (`index`: the engine read it already)."""
+    del index
+    return tuple(self.slot.unpack(self.head))
+
+  def write(self, index, entry, flag) -> "FlatRing":
+    """Records `entry` (its leaves) and `flag` for the engine's write."""
+    del index
+    return FlatRing(self.head, self.slot, (tuple(jax.tree.leaves(entry)), flag))
 
 
 def pad(buffer, length: int, dtype):

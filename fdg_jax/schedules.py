@@ -56,7 +56,7 @@ import numpy as np
 import optax
 
 from fdg_jax.delays import delay, ring_size
-from fdg_jax.packing import Layout
+from fdg_jax.packing import FlatRing, Layout
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
 from fdg_jax import spmd as spmd_lib
@@ -171,6 +171,7 @@ class Schedule:
     self._constants: dict = {}
     self._telemetry_fns: dict = {}
     self._core_entry_sizes: list = [None] * self.num_stages
+    self._ring_layouts: list = [None] * self.num_stages  # flat rings (per-stage engine)
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
 
@@ -335,14 +336,14 @@ class Schedule:
   def _ring_read(ring, slot):
     """Stash entry `slot` of a ring (a tuple of [D, ...] buffers, one per leaf, or the
     SPMD engine's `FlatRing`)."""
-    if isinstance(ring, spmd_lib.FlatRing):
+    if isinstance(ring, FlatRing):
       return ring.read(slot)
     return tuple(buf[slot] for buf in ring)
 
   @staticmethod
   def _ring_write(ring, slot, entry, flag):
     """`ring` with `entry` written to `slot` where `flag`."""
-    if isinstance(ring, spmd_lib.FlatRing):
+    if isinstance(ring, FlatRing):
       return ring.write(slot, entry, flag)
     return tuple(buf.at[slot].set(_select(flag, e, buf[slot]))
                  for buf, e in zip(ring, jax.tree.leaves(entry)))
@@ -494,9 +495,26 @@ class Schedule:
     if key in self._step_fns:
       return self._step_fns[key]
 
-    def step(packed, act, cot):
-      s, act_out, cot_out, updated = self._stage_work(
-          k, self._unpack_stage(k, packed), act, cot, do_forward, do_backward)
+    lay, D = self._ring_layouts[k], ring_size(self.algorithm, k, self.num_stages)
+
+    def step(packed, head, act, cot):
+      s = self._unpack_stage(k, packed)
+      if lay is not None:  # a flat ring: the slot this tick reads is the head (FlatRing)
+        ring, sizes = s["stash"]["ring"], lay.sizes
+        write_at = s["pushes"] % D
+        s["stash"] = FlatRing(head, lay)
+      s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_forward, do_backward)
+      if lay is not None:
+        if s["stash"].written is not None:
+          entry, flag = s["stash"].written
+          assert flag is True, "the per-stage engine's flags are static"
+          ring = lay.write(ring, entry, {n: write_at * m for n, m in sizes.items()})
+        # The next head, read after this call's write: every read of the ring follows its
+        # update, so XLA updates it in place.
+        read_at = s["pops"] % D
+        head = {n: jax.lax.dynamic_slice(ring[n], (read_at * m,), (m,))
+                for n, m in sizes.items()}
+        s["stash"] = {"ring": ring, "head": head}
       return self._pack_stage(k, s), act_out, cot_out, updated
 
     # Fixed output shardings: the state comes back exactly as it went in (so the next tick
@@ -507,7 +525,8 @@ class Schedule:
                      self._act_shardings[k] if do_forward else None,
                      self._cot_shardings[k] if do_backward and k > 0 else None,
                      P.scalar_shardings[k] if do_backward else None)
-    fn = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+    fn = _StageCall(jax.jit(step, donate_argnums=0, out_shardings=out_shardings),
+                    lay is not None)
     self._step_fns[key] = fn
     return fn
 
@@ -690,10 +709,27 @@ class Schedule:
       self._act_shardings[k] = P.message_shardings(k, self._act_specs[k])
       a_spec, a_spec2 = h_spec, h_spec2
     self._has_conv = has_conv
+    self._ring_layouts = [None] * K
+    if self._flat_rings_apply():
+      self._ring_layouts = [Layout.of(tuple(jax.tree.leaves(e))) if e is not None else None
+                            for e in self._entry_specs]
+      if any(lay is not None and any(n.startswith("leaf") for n in lay.names)
+             for lay in self._ring_layouts):
+        self._ring_layouts = [None] * K  # typed PRNG keys in an entry: rings per leaf
 
-  def _stash_shardings(self, k: int) -> tuple:
+  def _flat_rings_apply(self) -> bool:
+    """Whether the per-stage engine keeps each stage's stash ring as one flat buffer per
+    dtype (slot after slot): one device per stage and no telemetry. A stage call then
+    carries a few buffers whatever the model (see `_stage_fn`)."""
+    return (self.engine == "per_stage" and self.placement.num_replicas == 1
+            and not self.telemetry_enabled)
+
+  def _stash_shardings(self, k: int):
     """Shardings of stage k's rings: activations split along their batch axis."""
     P = self.placement
+    if self._ring_layouts[k] is not None:
+      names = self._ring_layouts[k].names
+      return {part: {n: P.state_shardings[k] for n in names} for part in ("ring", "head")}
     return tuple(P.buffer_sharding(k, None if ax is None else ax + 1)  # +1: the ring axis
                  for ax in self._stash_axes[k])
 
@@ -712,8 +748,13 @@ class Schedule:
     stages, inbox = list(state["stages"]), [dict() for _ in range(K)]
     for k in range(K - 1):
       D = ring_size(self.algorithm, k, K)
-      specs = tuple(jax.ShapeDtypeStruct((D,) + e.shape, e.dtype)
-                    for e in jax.tree.leaves(self._entry_specs[k]))
+      lay = self._ring_layouts[k]
+      if lay is not None:  # flat: D slots one after another per dtype, and the head
+        specs = {"ring": {n: jax.ShapeDtypeStruct((D * m,), n) for n, m in lay.sizes.items()},
+                 "head": {n: jax.ShapeDtypeStruct((m,), n) for n, m in lay.sizes.items()}}
+      else:
+        specs = tuple(jax.ShapeDtypeStruct((D,) + e.shape, e.dtype)
+                      for e in jax.tree.leaves(self._entry_specs[k]))
       stages[k] = {**stages[k], "stash": _zeros(specs, self._stash_shardings(k))}
       # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
       # where (and shaped as) the real messages will arrive.
@@ -863,7 +904,16 @@ class Schedule:
 
   def stash(self, state, k: int) -> tuple:
     """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last)."""
-    return tuple(self._packed_stage(state, k).get("stash", ()))
+    ring = self._packed_stage(state, k).get("stash", ())
+    lay = self._ring_layouts[k]
+    if lay is None or not isinstance(ring, dict):
+      return tuple(ring)
+    ring = ring["ring"]
+    if ("stash", k) not in self._unpack_fns:
+      D = self.ring_sizes[k]
+      self._unpack_fns["stash", k] = jax.jit(lambda r: tuple(jax.vmap(lay.unpack)(
+          {n: r[n].reshape(D, m) for n, m in lay.sizes.items()})))
+    return self._unpack_fns["stash", k](ring)
 
   def _packed_stage(self, state, k: int) -> dict:
     """Stage k's packed state ({"core": ..., "stash": ...}), whatever the engine's layout."""
@@ -1005,6 +1055,24 @@ class Schedule:
       ring = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s.get("stash", {})))
       out.append(int(ring + (4 * self.ring_sizes[k] if k < self.num_stages - 1 else 0)))
     return out
+
+
+class _StageCall:
+  """A per-stage engine's jitted stage call, (packed, act, cot) -> its results. With a flat
+  ring the head goes in as its own, undonated argument: the call writes the next head
+  while its work still reads this one, and XLA would copy a donated head first."""
+
+  def __init__(self, jitted, flat: bool):
+    self.jitted, self.flat = jitted, flat
+
+  def __call__(self, packed, act, cot):
+    if not self.flat:
+      return self.jitted(packed, None, act, cot)
+    stash = packed["stash"]
+    return self.jitted({**packed, "stash": {"ring": stash["ring"]}}, stash["head"], act, cot)
+
+  def _cache_size(self) -> int:
+    return self.jitted._cache_size()
 
 
 class _PerStageOps:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from fdg_jax.packing import Layout, pad as _pad
+from fdg_jax.packing import FlatRing, Layout, pad as _pad
 
 AXIS = "stage"
 KINDS = ("core", "ring", "act", "cot")
@@ -41,33 +41,6 @@ def _layout(tree) -> Layout:
     raise ValueError("engine='spmd' packs the state into flat buffers and cannot hold "
                      "typed PRNG keys; pass raw uint32 keys (jax.random.PRNGKey)")
   return layout
-
-
-class FlatRing:
-  """Stage k's stash inside the SPMD program, as `_stage_work` sees it.
-
-  The ring itself (flat vectors per dtype, slot after slot) stays outside the switch on the
-  stage index: a switch's operands and results are copied, and the ring is the largest
-  buffer a stage holds. Before the switch the engine slices out the slot this tick reads
-  (`pops % D`, where `_stage_work` reads); `write` only records the entry, which the engine
-  writes after the switch to slot `pushes % D` (where `_stage_work` writes), in place.
-  `Schedule._ring_read` / `_ring_write` call `read` and `write` for such a ring; the other
-  engines keep one [D, ...] buffer per leaf.
-  """
-
-  def __init__(self, segment: dict, slot: Layout, written=None):
-    self.segment, self.slot, self.written = segment, slot, written
-
-  def read(self, index):
-    """The entry of the slot read this tick (`index`, computed alike before the switch)."""
-    del index
-    return tuple(self.slot.unpack(self.segment))
-
-  def write(self, index, entry, flag) -> "FlatRing":
-    """Records `entry` (packed) and `flag` for the write after the switch."""
-    del index
-    return FlatRing(self.segment, self.slot, (self.slot.pack(tuple(jax.tree.leaves(entry))),
-                                              flag))
 
 
 class Engine:
@@ -249,6 +222,7 @@ class Engine:
         act_sent, cot_sent = do_fwd, do_bwd
         metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s._metrics_spec())
         entry, flag = state.pop("stash").written
+        entry = f["ring"].pack(entry)
         written = ({n: _pad(entry.get(n), L, n) for n, L in slots.items()}, jnp.asarray(flag))
         valid = False
       if k > 0:

@@ -39,7 +39,7 @@ def snapshot(sched, state):
   """Everything a tick changes, unpacked: per stage core state and stash, and the inbox."""
   K = sched.num_stages
   stages = [jax.device_get(sched.stage_state(state, k)) for k in range(K)]
-  stashes = [jax.device_get(s.get("stash", {})) for s in state["stages"]]
+  stashes = [jax.device_get(sched.stash(state, k)) for k in range(K)]
   return stages, stashes, jax.device_get(state["inbox"])
 
 
@@ -265,9 +265,10 @@ def test_spmd_engine_compiles_once_per_buffer_length_and_keeps_few_buffers():
     assert {a.devices().pop() for a in flat.values()} == {jax.devices()[k]}
   # Every device holds a ring padded to the largest stage's (the last stage's too).
   ref = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05), devices=jax.devices()[:K])
-  per_stage = ref.stash_bytes(ref.init(params, states, example_batch=data[0]))
+  ref_state = ref.init(params, states, example_batch=data[0])
+  ring = sum(a.nbytes for a in ref.stash(ref_state, 0))  # stage 0's D slots, unpadded
   spmd = sched.stash_bytes(state)
-  assert per_stage[K - 1] == 0 < per_stage[0] <= spmd[0]
+  assert 0 < ring + 4 * sched.ring_sizes[0] <= spmd[0]
   assert spmd[K - 1] == spmd[0] - 4 * sched.ring_sizes[0]  # the same ring, no batch indices
 
 
@@ -304,3 +305,38 @@ def test_convolutions_are_detected_for_the_default_loop():
     sched.init(params, states, example_batch=(jnp.zeros((4, 8, 8, 1)), jnp.zeros(4, jnp.int32)))
     # XLA:CPU runs backward convolutions slowly inside a loop: one program per tick there.
     assert sched.scan == (not has_conv), name
+
+
+def test_per_stage_engine_keeps_flat_rings_updated_in_place():
+  """A stage call carries a few buffers whatever the model, and XLA updates the ring in
+  place: no copy of a ring-sized buffer in the compiled call (reading the slot within the
+  call, before the write, made XLA:CPU copy the ring twice per call for convolutions)."""
+  import re
+  from fdg_jax import models, partition
+  K = 2
+  x = jnp.zeros((1, 16, 16, 3))
+  m = models.create("cnn", num_classes=10, input_shape=(16, 16, 3))
+  stages = partition.split(m, K, "uniform", example_input=x)
+  params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x)
+  batch = (jnp.ones((8, 16, 16, 3)), jnp.zeros(8, jnp.int32))
+  flat = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:K])
+  state = flat.init(params, states, example_batch=batch)
+  stash = state["stages"][0]["stash"]
+  assert sorted(stash) == ["head", "ring"] and len(jax.tree.leaves(stash)) <= 4
+  D = flat.ring_sizes[0]
+  leaves = flat.stash(state, 0)
+  assert len(leaves) > 4 and all(a.shape[0] == D for a in leaves)
+  slot = sum(a.nbytes for a in leaves) // D
+  assert flat.stash_bytes(state)[0] == (D + 1) * slot + 4 * D  # the ring and its head
+  fused = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1))
+  assert fused.stash_bytes(fused.init(params, states, example_batch=batch))[0] == D * slot + 4 * D
+  for _ in range(3):
+    state, _ = flat.step(state, batch)
+  call = flat._stage_fn(0, True, True)
+  packed = state["stages"][0]
+  hlo = call.jitted.lower({**packed, "stash": {"ring": packed["stash"]["ring"]}},
+                          packed["stash"]["head"], batch, state["inbox"][0]["cot"]
+                          ).compile().as_text()
+  sizes = {str(a.size) for a in packed["stash"]["ring"].values()}
+  copies = re.findall(r"= \w+\[(\d+)\]\{0\} copy\(", hlo)
+  assert not [n for n in copies if n in sizes], copies
