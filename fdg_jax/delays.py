@@ -23,3 +23,12 @@ def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
     # activation is not held back by the backward): one more slot.
     return delay(algorithm, stage, num_stages) + 1
   return 1 if algorithm == "bp" else delay(algorithm, stage, num_stages)
+
+
+def slots_held(algorithm: str, stage: int, num_stages: int) -> int:
+  """Stash slots stage `stage` holds: its ring, and the ring's head where the ring has two
+  slots or more (a copy of the entry the next tick reads, kept so that no tick reads the
+  ring before writing it; `Schedule._stage_with_ring`). A one-slot ring (BP) is written and
+  read by separate calls and keeps no head."""
+  d = ring_size(algorithm, stage, num_stages)
+  return d + 1 if d > 1 else d

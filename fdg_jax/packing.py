@@ -87,15 +87,21 @@ class Layout:
       return out
     return {name: pad(out.get(name), n, name) for name, n in lengths.items()}
 
-  def write(self, buffers: dict, tree: PyTree, at: dict) -> dict:
+  def write(self, buffers: dict, tree: PyTree, at: dict, where=True) -> dict:
     """`buffers` with `tree`'s leaves written in place from position `at[name]` of each
-    (traced positions allowed): `pack` and a dynamic update, without the packed copy."""
+    (traced positions allowed): `pack` and a dynamic update, without the packed copy.
+    With a traced `where`, a leaf is written only where it holds, else its old value is
+    kept; each old value is read from the buffer as the previous leaves left it, so every
+    read comes before the update that follows it (else XLA copies the buffer)."""
     leaves = self.treedef.flatten_up_to(tree)
     offsets, out = self.offsets, dict(buffers)
     for name, idx in self.groups:
       for i in idx:
-        out[name] = jax.lax.dynamic_update_slice(
-            out[name], jnp.ravel(leaves[i]).astype(out[name].dtype), (at[name] + offsets[i],))
+        start = (at[name] + offsets[i],)
+        new = jnp.ravel(leaves[i]).astype(out[name].dtype)
+        if where is not True:
+          new = jnp.where(where, new, jax.lax.dynamic_slice(out[name], start, new.shape))
+        out[name] = jax.lax.dynamic_update_slice(out[name], new, start)
     return out
 
   def unpack(self, buffers: dict) -> PyTree:
@@ -113,32 +119,32 @@ class Layout:
     return self.treedef.unflatten(leaves)
 
 
-class FlatRing:
-  """A stash ring held flat (slot after slot, one buffer per dtype), as `_stage_work` sees it
-  inside an engine that keeps the ring itself out of the stage's work.
+class RingView:
+  """A stage's stash ring as `_stage_work` sees it: the entry this tick reads, already read
+  (`head`), and the entry it writes, recorded for the engine to write after the work.
 
-  XLA updates a buffer in place only where every read of it is ordered before the write; a
-  ring read at one slot and written at another by values that do not depend on that read
-  is otherwise copied whole, twice per call. So the engine reads the slot of this tick
-  before the work (`head`, a `Layout`'s buffers for one slot) and writes the entry the
-  work recorded after it: the per-stage engine takes the head from its state, where the
-  previous call left it, read after that call's write (`Schedule._stage_fn`); the SPMD
-  engine slices it before its switch on the stage (`fdg_jax.spmd`).
-  `Schedule._ring_read` / `_ring_write` call `read` and `write` for such a ring.
+  XLA updates a buffer in place only where every read of it is ordered before the write. A
+  ring read at one slot and written at another, by values that do not depend on that read,
+  is otherwise copied whole, twice per call or per loop iteration. So no engine reads the
+  ring within a stage's work: the fused and per-stage engines keep the next entry to read
+  in the state (the head), read after the previous tick's write
+  (`Schedule._stage_with_ring`); the SPMD engine slices it before its switch on the stage.
+
+  `head` is the entry's leaves, or with `slot` (a `Layout`) its flat buffers.
   """
 
-  def __init__(self, head: dict, slot: "Layout", written=None):
+  def __init__(self, head, slot: "Layout | None" = None, written=None):
     self.head, self.slot, self.written = head, slot, written
 
-  def read(self, index):
-    """The entry of the slot read this tick (`index`: the engine read it already)."""
+  def read(self, index) -> tuple:
+    """The entry of slot `index`, the one this tick reads (read by the engine already)."""
     del index
-    return tuple(self.slot.unpack(self.head))
+    return tuple(self.slot.unpack(self.head) if self.slot is not None else self.head)
 
-  def write(self, index, entry, flag) -> "FlatRing":
-    """Records `entry` (its leaves) and `flag` for the engine's write."""
+  def write(self, index, entry, flag) -> "RingView":
+    """Records `entry` (its leaves) and `flag` for the engine's write to slot `index`."""
     del index
-    return FlatRing(self.head, self.slot, (tuple(jax.tree.leaves(entry)), flag))
+    return RingView(self.head, self.slot, (tuple(jax.tree.leaves(entry)), flag))
 
 
 def pad(buffer, length: int, dtype):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdg_jax.models import BlockRange, Model
-from fdg_jax.delays import ring_size
+from fdg_jax.delays import slots_held
 from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
@@ -45,14 +45,17 @@ _CACHE: dict = {}
 
 # ----------------------------------------------------------------------------- boundaries
 def ring_length(stage: int, num_stages: int, schedule: str = "fdg") -> int:
-  """Stash slots of stage `stage` as the schedules allocate them (`fdg_jax.ring_size`).
+  """Stash slots of stage `stage` as the schedules allocate them (`delays.slots_held`).
 
-  FDG: 2(K-1-k). DDG: K-k, one more than the K-1-k entries held between ticks, because a
-  DDG stage stashes its forward of the new batch before its backward frees the oldest slot.
+  The ring (`fdg_jax.ring_size`) and its head. FDG: a ring of 2(K-1-k). DDG: K-k, one more
+  than the K-1-k entries held between ticks, because a DDG stage stashes its forward of the
+  new batch before its backward frees the oldest slot. A ring of two slots or more keeps a
+  head besides, a copy of the slot the next tick reads (so no tick reads the ring before
+  writing it), one slot more.
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
-  return ring_size(schedule, stage, num_stages)
+  return slots_held(schedule, stage, num_stages)
 
 
 def parse_split(text):

@@ -38,8 +38,11 @@ ticks never retrace.
 
 Each stage's parameters, optimizer state, model state and counters are kept packed into a
 few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with its leaves.
-`params`, `model_states` and `stage_state` unpack them. The stash stays one ring per leaf
-(see `_ring_read`). Messages sent at tick t are read
+`params`, `model_states` and `stage_state` unpack them. The stash ring is packed alike, slot
+after slot (one buffer per leaf under a (data, stage) mesh, where each leaf is split along its
+own batch axis), and next to it the state keeps its head, the entry the next tick reads, so
+that no engine reads the ring before writing it within a tick (see `_stage_with_ring`).
+Messages sent at tick t are read
 at tick t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
 `inbox`, preallocated with zeros so the state has one fixed structure from the first tick on
 (and can be checkpointed at any tick).
@@ -56,7 +59,7 @@ import numpy as np
 import optax
 
 from fdg_jax.delays import delay, ring_size
-from fdg_jax.packing import FlatRing, Layout
+from fdg_jax.packing import Layout, RingView
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
 from fdg_jax import spmd as spmd_lib
@@ -285,7 +288,7 @@ class Schedule:
   def _stage_work(self, k, s, act, cot, do_fwd, do_bwd):
     """Stage k < K-1 at one tick: optional delayed backward and update, then optional forward.
 
-    `s` is the stage state with its core unpacked (`stash` stays as ring buffers). Returns
+    `s` is the stage state with its core unpacked and its stash a `packing.RingView`. Returns
     (s, activation message (h, y, batch) or None, cotangent for stage k-1 or None, index of
     the batch whose gradient was applied or None). Under FDG the forward uses the
     parameters just updated; BP and DDG call the forward and the backward separately
@@ -298,7 +301,7 @@ class Schedule:
     act_out = cot_out = updated = None
     if do_bwd is not False:
       slot = s["pops"] % D
-      entry = self._ring_read(s["stash"], slot)
+      entry = s["stash"].read(slot)
       key = _stage_key(s["rng"], s["stash_batch"][slot])
       grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot, key)
       params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
@@ -319,7 +322,7 @@ class Schedule:
                                             _stage_key(s["rng"], batch))
       entry = entry + self._telemetry_extras(k, params_fwd, x, y)
       slot = s["pushes"] % D
-      s["stash"] = self._ring_write(s["stash"], slot, entry, do_fwd)
+      s["stash"] = s["stash"].write(slot, entry, do_fwd)
       s["stash_batch"] = s["stash_batch"].at[slot].set(
           _select(do_fwd, batch, s["stash_batch"][slot]))
       model_state = _select(do_fwd, model_state, s["model_state"])
@@ -327,26 +330,46 @@ class Schedule:
       act_out = (h, y, batch)
     return s, act_out, cot_out, updated
 
-  # The stash is not packed, unlike the rest of a stage's state: one [D, ...] ring per leaf
-  # of the entry. XLA updates a ring in place only when it can order every read of it
-  # before the write; where it cannot (the read feeds a transposed operand of a backward
-  # convolution, say) it copies the ring, and a packed ring would be copied whole (measured:
-  # FDG K=4 on ResNet-20 then took twice BP's time on one device, against 1.1x).
-  @staticmethod
-  def _ring_read(ring, slot):
-    """Stash entry `slot` of a ring (a tuple of [D, ...] buffers, one per leaf, or the
-    SPMD engine's `FlatRing`)."""
-    if isinstance(ring, FlatRing):
-      return ring.read(slot)
-    return tuple(buf[slot] for buf in ring)
+  def _stage_with_ring(self, k, s, act, cot, do_fwd, do_bwd):
+    """`_stage_work` over a state whose stash is {"ring", "head"}: the fused and per-stage
+    engines' stage work.
 
-  @staticmethod
-  def _ring_write(ring, slot, entry, flag):
-    """`ring` with `entry` written to `slot` where `flag`."""
-    if isinstance(ring, FlatRing):
-      return ring.write(slot, entry, flag)
-    return tuple(buf.at[slot].set(_select(flag, e, buf[slot]))
-                 for buf, e in zip(ring, jax.tree.leaves(entry)))
+    The work reads the head (the entry at slot pops % D) and records the entry it writes
+    (`RingView`); the write to slot pushes % D, and the read of the next head at the new
+    pops % D, come after it. Every read of the ring then follows its update, so XLA updates
+    it in place: reading a slot within the work, before a write that does not depend on
+    it, made XLA copy the ring, twice per tick (measured on XLA:CPU, for per-leaf and flat
+    rings alike). The price: one more slot of memory per stage, and one slot copied.
+    """
+    D = ring_size(self.algorithm, k, self.num_stages)
+    ring = s["stash"]["ring"]
+    # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both.
+    head = s["stash"]["head"] if D > 1 else self._ring_load(k, ring, 0)
+    write_at = s["pushes"] % D
+    s = {**s, "stash": RingView(head, self._ring_layouts[k])}
+    s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_fwd, do_bwd)
+    if s["stash"].written is not None:
+      assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
+      entry, flag = s["stash"].written
+      ring = self._ring_store(k, ring, write_at, entry, flag)
+    s["stash"] = {"ring": ring}
+    if D > 1:
+      s["stash"]["head"] = self._ring_load(k, ring, s["pops"] % D)
+    return s, act_out, cot_out, updated
+
+  def _ring_load(self, k, ring, slot):
+    """The entry at `slot` of stage k's ring (flat buffers, or leaves)."""
+    lay = self._ring_layouts[k]
+    if lay is None:  # one [D, ...] buffer per leaf
+      return tuple(buf[slot] for buf in ring)
+    return {n: jax.lax.dynamic_slice(ring[n], (slot * m,), (m,)) for n, m in lay.sizes.items()}
+
+  def _ring_store(self, k, ring, slot, entry, flag):
+    """`ring` with `entry` (its leaves) written at `slot` where `flag`."""
+    lay = self._ring_layouts[k]
+    if lay is None:
+      return tuple(buf.at[slot].set(_select(flag, e, buf[slot])) for buf, e in zip(ring, entry))
+    return lay.write(ring, entry, {n: slot * m for n, m in lay.sizes.items()}, where=flag)
 
   def _last_work(self, s, act, active):
     """The last stage at one tick: forward, loss, gradient, update.
@@ -495,26 +518,10 @@ class Schedule:
     if key in self._step_fns:
       return self._step_fns[key]
 
-    lay, D = self._ring_layouts[k], ring_size(self.algorithm, k, self.num_stages)
-
-    def step(packed, head, act, cot):
-      s = self._unpack_stage(k, packed)
-      if lay is not None:  # a flat ring: the slot this tick reads is the head (FlatRing)
-        ring, sizes = s["stash"]["ring"], lay.sizes
-        write_at = s["pushes"] % D
-        s["stash"] = FlatRing(head, lay)
-      s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_forward, do_backward)
-      if lay is not None:
-        if s["stash"].written is not None:
-          entry, flag = s["stash"].written
-          assert flag is True, "the per-stage engine's flags are static"
-          ring = lay.write(ring, entry, {n: write_at * m for n, m in sizes.items()})
-        # The next head, read after this call's write: every read of the ring follows its
-        # update, so XLA updates it in place.
-        read_at = s["pops"] % D
-        head = {n: jax.lax.dynamic_slice(ring[n], (read_at * m,), (m,))
-                for n, m in sizes.items()}
-        s["stash"] = {"ring": ring, "head": head}
+    def step(packed, heads, act, cot):
+      s = self._unpack_stage(k, _with_heads([packed], heads)[0])
+      s, act_out, cot_out, updated = self._stage_with_ring(k, s, act, cot, do_forward,
+                                                           do_backward)
       return self._pack_stage(k, s), act_out, cot_out, updated
 
     # Fixed output shardings: the state comes back exactly as it went in (so the next tick
@@ -525,8 +532,7 @@ class Schedule:
                      self._act_shardings[k] if do_forward else None,
                      self._cot_shardings[k] if do_backward and k > 0 else None,
                      P.scalar_shardings[k] if do_backward else None)
-    fn = _StageCall(jax.jit(step, donate_argnums=0, out_shardings=out_shardings),
-                    lay is not None)
+    fn = _StageCall(jax.jit(step, donate_argnums=0, out_shardings=out_shardings))
     self._step_fns[key] = fn
     return fn
 
@@ -577,12 +583,13 @@ class Schedule:
       return [self._pack_stage(k, s) for k, s in enumerate(stages)]
 
     if num_ticks is None:
-      def one(packed, inbox, batch, t):
-        stages, inbox, updated, metrics, _ = tick(unpack_all(packed), inbox, batch, t)
+      def one(packed, heads, inbox, batch, t):
+        stages = unpack_all(_with_heads(packed, heads))
+        stages, inbox, updated, metrics, _ = tick(stages, inbox, batch, t)
         return pack_all(stages), inbox, updated, metrics
-      fn = jax.jit(one, donate_argnums=(0, 1))
+      jitted = jax.jit(one, donate_argnums=(0, 2))
     else:
-      def many(packed, inbox, xs, ys, t0, n):
+      def many(packed, heads, inbox, xs, ys, t0, n):
         # A loop of n <= num_ticks iterations over the first n batches (n traced), so one
         # program serves every call with up to num_ticks ticks; metrics past n stay unset.
         spec = self._metrics_spec()
@@ -600,9 +607,15 @@ class Schedule:
           outs = {name: outs[name].at[i].set(row[name]) for name in outs}
           return stages, inbox, outs
 
-        stages, inbox, outs = jax.lax.fori_loop(0, n, body, (unpack_all(packed), inbox, outs))
+        stages = unpack_all(_with_heads(packed, heads))
+        stages, inbox, outs = jax.lax.fori_loop(0, n, body, (stages, inbox, outs))
         return pack_all(stages), inbox, outs
-      fn = jax.jit(many, donate_argnums=(0, 1))
+      jitted = jax.jit(many, donate_argnums=(0, 2))
+
+    def fn(packed, *args):
+      packed, heads = _without_heads(packed)
+      return jitted(packed, heads, *args)
+    fn._cache_size = jitted._cache_size
     self._step_fns[key] = fn
     return fn
 
@@ -718,10 +731,12 @@ class Schedule:
         self._ring_layouts = [None] * K  # typed PRNG keys in an entry: rings per leaf
 
   def _flat_rings_apply(self) -> bool:
-    """Whether the per-stage engine keeps each stage's stash ring as one flat buffer per
-    dtype (slot after slot): one device per stage and no telemetry. A stage call then
-    carries a few buffers whatever the model (see `_stage_fn`)."""
-    return (self.engine == "per_stage" and self.placement.num_replicas == 1
+    """Whether the stash rings are kept as one flat buffer per dtype (slot after slot), so
+    that a call carries a few buffers whatever the model: the fused and per-stage engines
+    with one device per stage, without telemetry (which reads the rings per leaf). Under a
+    (data, stage) mesh each leaf's ring is split along its own batch axis, so rings stay
+    per leaf; the SPMD engine keeps its own padded vectors."""
+    return (self.engine in ("fused", "per_stage") and self.placement.num_replicas == 1
             and not self.telemetry_enabled)
 
   def _stash_shardings(self, k: int):
@@ -729,9 +744,15 @@ class Schedule:
     P = self.placement
     if self._ring_layouts[k] is not None:
       names = self._ring_layouts[k].names
-      return {part: {n: P.state_shardings[k] for n in names} for part in ("ring", "head")}
-    return tuple(P.buffer_sharding(k, None if ax is None else ax + 1)  # +1: the ring axis
-                 for ax in self._stash_axes[k])
+      out = {part: {n: P.state_shardings[k] for n in names} for part in ("ring", "head")}
+    else:
+      axes = self._stash_axes[k]
+      out = {"ring": tuple(P.buffer_sharding(k, None if ax is None else ax + 1)  # ring axis
+                           for ax in axes),
+             "head": tuple(P.buffer_sharding(k, ax) for ax in axes)}
+    if self.ring_sizes[k] == 1:
+      del out["head"]  # see `_stage_with_ring`
+    return out
 
   def _state_shardings(self, k: int) -> dict:
     """The sharding of every buffer of stage k's packed state."""
@@ -752,9 +773,12 @@ class Schedule:
       if lay is not None:  # flat: D slots one after another per dtype, and the head
         specs = {"ring": {n: jax.ShapeDtypeStruct((D * m,), n) for n, m in lay.sizes.items()},
                  "head": {n: jax.ShapeDtypeStruct((m,), n) for n, m in lay.sizes.items()}}
-      else:
-        specs = tuple(jax.ShapeDtypeStruct((D,) + e.shape, e.dtype)
-                      for e in jax.tree.leaves(self._entry_specs[k]))
+      else:  # one [D, ...] buffer per leaf, and the head
+        entry = jax.tree.leaves(self._entry_specs[k])
+        specs = {"ring": tuple(jax.ShapeDtypeStruct((D,) + e.shape, e.dtype) for e in entry),
+                 "head": tuple(entry)}
+      if D == 1:
+        del specs["head"]
       stages[k] = {**stages[k], "stash": _zeros(specs, self._stash_shardings(k))}
       # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
       # where (and shaped as) the real messages will arrive.
@@ -904,11 +928,12 @@ class Schedule:
 
   def stash(self, state, k: int) -> tuple:
     """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last)."""
-    ring = self._packed_stage(state, k).get("stash", ())
-    lay = self._ring_layouts[k]
-    if lay is None or not isinstance(ring, dict):
+    stash = self._packed_stage(state, k).get("stash")
+    if stash is None:
+      return ()
+    ring, lay = stash["ring"], self._ring_layouts[k]
+    if lay is None:
       return tuple(ring)
-    ring = ring["ring"]
     if ("stash", k) not in self._unpack_fns:
       D = self.ring_sizes[k]
       self._unpack_fns["stash", k] = jax.jit(lambda r: tuple(jax.vmap(lay.unpack)(
@@ -1010,7 +1035,7 @@ class Schedule:
     def applied(packed, cot):
       s = self._unpack_stage(k, packed)
       slot = s["pops"] % D
-      entry = self._ring_read(s["stash"], slot)
+      entry = tuple(s["stash"]["head"])  # the entry at slot pops % D (rings per leaf here)
       b = s["stash_batch"][slot]
       grads, _ = self._backward(k, s["params"], s["model_state"], entry, cot,
                                 _stage_key(s["rng"], b))
@@ -1024,7 +1049,8 @@ class Schedule:
       s = self._unpack_stage(0, packed)
       hit = s["stash_batch"] == b
       slot = jnp.argmax(hit)
-      x, y = s["stash"][-2][slot], s["stash"][-1][slot]
+      ring = s["stash"]["ring"]
+      x, y = ring[-2][slot], ring[-1][slot]
       return x, y, jnp.any(hit)
 
     def cosine(inputs, x, y, b, applied_grads):
@@ -1045,7 +1071,8 @@ class Schedule:
     return fn
 
   def stash_bytes(self, state) -> list[int]:
-    """Bytes held by each stage's delay buffer (stash and its batch indices)."""
+    """Bytes held by each stage's delay buffer: its stash ring, the ring's head where it keeps
+    one (`delays.slots_held`), and its batch indices."""
     out = []
     for k, s in enumerate(state["stages"]):
       if "flat" in s:  # the SPMD engine: every stage holds a ring padded to the largest
@@ -1058,21 +1085,42 @@ class Schedule:
 
 
 class _StageCall:
-  """A per-stage engine's jitted stage call, (packed, act, cot) -> its results. With a flat
-  ring the head goes in as its own, undonated argument: the call writes the next head
-  while its work still reads this one, and XLA would copy a donated head first."""
+  """A per-stage engine's jitted stage call, (packed, act, cot) -> its results, with the
+  head of the stash ring passed apart (see `_without_heads`)."""
 
-  def __init__(self, jitted, flat: bool):
-    self.jitted, self.flat = jitted, flat
+  def __init__(self, jitted):
+    self.jitted = jitted
 
   def __call__(self, packed, act, cot):
-    if not self.flat:
-      return self.jitted(packed, None, act, cot)
-    stash = packed["stash"]
-    return self.jitted({**packed, "stash": {"ring": stash["ring"]}}, stash["head"], act, cot)
+    (packed,), heads = _without_heads([packed])
+    return self.jitted(packed, heads, act, cot)
 
   def _cache_size(self) -> int:
     return self.jitted._cache_size()
+
+
+def _without_heads(stages: list) -> tuple[list, list]:
+  """(stage states without the heads of their stash rings, the heads).
+
+  A call takes the heads as an argument of their own, not donated: it writes the next
+  head while its work still reads this one, and XLA would copy a donated head first.
+  """
+  rest, heads = [], []
+  for s in stages:
+    stash = s.get("stash")
+    if stash is None or "head" not in stash:
+      rest.append(s)
+      heads.append(None)
+    else:
+      rest.append({**s, "stash": {"ring": stash["ring"]}})
+      heads.append(stash["head"])
+  return rest, heads
+
+
+def _with_heads(stages: list, heads: list) -> list:
+  """The inverse of `_without_heads`."""
+  return [s if h is None else {**s, "stash": {"ring": s["stash"]["ring"], "head": h}}
+          for s, h in zip(stages, heads)]
 
 
 class _PerStageOps:
@@ -1103,7 +1151,7 @@ class _FusedOps:
     self.schedule = schedule
 
   def stage(self, k, do_fwd, do_bwd):
-    return functools.partial(self.schedule._stage_work, k, do_fwd=do_fwd, do_bwd=do_bwd)
+    return functools.partial(self.schedule._stage_with_ring, k, do_fwd=do_fwd, do_bwd=do_bwd)
 
   def last(self, active):
     return functools.partial(self.schedule._last_work, active=active)

@@ -15,7 +15,7 @@ after another), its incoming activation and its incoming cotangent, one after an
 (`_join`). The schedule state keeps these vectors between calls (`state["stages"][k]
 ["flat"]`), so a call assembles them into mesh arrays without copying and carries a few
 buffers per stage whatever the model. The stash ring stays outside the switch (see
-`FlatRing`).
+`packing.RingView`).
 
 The batches reach stage 0's device only (the labels travel with the activations, as in the
 other engines); the other devices hold cached zeros of their shape.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from fdg_jax.packing import FlatRing, Layout, pad as _pad
+from fdg_jax.packing import Layout, RingView, pad as _pad
 
 AXIS = "stage"
 KINDS = ("core", "ring", "act", "cot")
@@ -147,7 +147,7 @@ class Engine:
       out = {"core": f["core"].pack(packed["core"], lengths["core"])}
       ring = {}
       if f["ring"] is not None:  # [D, ...] per leaf -> slot after slot, per dtype
-        rows = jax.vmap(f["ring"].pack)(tuple(packed["stash"]))
+        rows = jax.vmap(f["ring"].pack)(tuple(packed["stash"]["ring"]))
         ring = {n: r.reshape(-1) for n, r in rows.items()}
       out["ring"] = {n: _pad(ring.get(n), L, n) for n, L in lengths["ring"].items()}
       for kind in ("act", "cot"):
@@ -173,7 +173,7 @@ class Engine:
       packed = {"core": f["core"].unpack(v["core"])}
       if f["ring"] is not None:  # slot after slot -> [D, ...] per leaf
         rows = {n: v["ring"][n][:D * m].reshape(D, m) for n, m in f["ring"].sizes.items()}
-        packed["stash"] = tuple(jax.vmap(f["ring"].unpack)(rows))
+        packed["stash"] = {"ring": tuple(jax.vmap(f["ring"].unpack)(rows))}
       box = {kind: f[kind].unpack(v[kind]) for kind in ("act", "cot") if f[kind] is not None}
       return packed, box
 
@@ -183,7 +183,10 @@ class Engine:
       box_shardings["act"] = P_.message_shardings(k, s._act_specs[k - 1])
     if f["cot"] is not None:
       box_shardings["cot"] = P_.message_shardings(k, s._act_specs[k][0])
-    fn = jax.jit(split, out_shardings=(s._state_shardings(k), box_shardings))
+    shardings = s._state_shardings(k)
+    if "stash" in shardings:  # the ring alone: the SPMD program reads its slots itself
+      shardings["stash"] = {"ring": shardings["stash"]["ring"]}
+    fn = jax.jit(split, out_shardings=(shardings, box_shardings))
     self._fns[key] = fn
     return fn
 
@@ -193,7 +196,7 @@ class Engine:
 
     (core, slot read, act in, cot in, batch, t) -> (core, (entry written, flag),
     (act out, sent), (cot out, sent), batch updated, metrics, valid): everything but the
-    core is a message or a slot, never the ring (see `FlatRing`).
+    core is a message or a slot, never the ring (see `packing.RingView`).
     """
     s, K = self.schedule, self.schedule.num_stages
     flats, lengths, slots = self.layouts()
@@ -205,7 +208,7 @@ class Engine:
     def branch(core, segment, act_in, cot_in, batch, t):
       state = dict(s._core_layouts[k].unpack(f["core"].unpack(core)))
       if f["ring"] is not None:
-        state["stash"] = FlatRing(segment, f["ring"])
+        state["stash"] = RingView(segment, f["ring"])
       act = batch if k == 0 else f["act"].unpack(act_in)
       written = (zeros(slots), jnp.asarray(False))
       if k == K - 1:

@@ -159,7 +159,7 @@ def test_bench_all_writes_expected_json(bench_result):
 
 
 def test_memory_matches_residual_sizes(bench_result):
-  """stash_bytes = ring x slot + ring int32 batch indices, slot from `partition`."""
+  """stash_bytes = (ring + head) x slot + ring int32 batch indices, slot from `partition`."""
   rows = bench_result["memory"]
   assert {(m["algorithm"], m["backward"]) for m in rows} == {
       (a, p) for a in ("ddg", "fdg") for p in ("stash", "recompute")}
@@ -168,15 +168,17 @@ def test_memory_matches_residual_sizes(bench_result):
   x = model.example_input(batch_size)
   for m in rows:
     K, bounds = m["num_stages"], m["boundaries"]
-    rings = [partition.ring_length(k, K, m["algorithm"]) if k < K - 1 else 0 for k in range(K)]
+    rings = [2 * (K - 1 - k) if m["algorithm"] == "fdg" else K - k for k in range(K - 1)] + [0]
     assert list(m["ring_sizes"]) == rings
+    held = [partition.ring_length(k, K, m["algorithm"]) for k in range(K)]
+    assert held == [r + 1 if r > 1 else r for r in rings]  # the head
     if m["backward"] == "stash":
       slots = partition.slot_bytes(model, bounds, x)
     else:  # the stage input (the RNG key is rebuilt from the batch index)
       infos = partition.block_info(model, x)
       slots = [int(np.prod(infos[a].input.shape)) * 4
                for a, _ in partition.stage_ranges(bounds, model.num_blocks)]
-    assert m["stash_bytes"] == [r * (s + 4) for r, s in zip(rings, slots)]
+    assert m["stash_bytes"] == [h * s + 4 * r for h, r, s in zip(held, rings, slots)]
     assert m["param_bytes_total"] == 4 * sum(
         partition.param_count(i.params) for i in partition.block_info(model, x))
     assert m["bp_activation_bytes"] > 0

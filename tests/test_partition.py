@@ -217,12 +217,14 @@ def test_stash_bytes():
   fdg = partition.stash_bytes(m, bounds, x, "fdg")
   ddg = partition.stash_bytes(m, bounds, x, "ddg")
   slots = partition.slot_bytes(m, bounds, x)
-  assert fdg == [slots[k] * 2 * (3 - k) for k in range(4)] and fdg[-1] == 0
-  assert ddg == [slots[k] * (4 - k) for k in range(3)] + [0]
+  # The ring and its head (every ring here has two slots or more).
+  assert fdg == [slots[k] * (2 * (3 - k) + 1) for k in range(3)] + [0]
+  assert ddg == [slots[k] * (4 - k + 1) for k in range(3)] + [0]
   assert all(v > 0 for v in fdg[:-1])
-  for k in range(4):
+  for k in range(3):
     for alg in ("fdg", "ddg"):
-      assert partition.ring_length(k, 4, alg) == sched.ring_size(alg, k, 4)
+      assert partition.ring_length(k, 4, alg) == sched.ring_size(alg, k, 4) + 1
+  assert partition.ring_length(3, 4, "fdg") == 0 and sched.ring_size("bp", 0, 2) == 1
   # A slot holds at least the stage input (a conv's backward needs it) and the weights.
   assert slots[0] >= x.size * 4 + (3 * 3 * 3 * 4 + 4) * 4
   # Independent count: the residual leaves of a concrete vjp of the first stage.
