@@ -343,15 +343,27 @@ class Schedule:
     """
     D = ring_size(self.algorithm, k, self.num_stages)
     ring = s["stash"]["ring"]
+    s = dict(s)
     # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both.
-    head = s["stash"]["head"] if D > 1 else self._ring_load(k, ring, 0)
+    # Where the write happened earlier in the same program (the fused engine's tick), the
+    # entry itself is read (`fresh`): XLA forwards it instead of reading the ring back.
+    lay = self._ring_layouts[k]
+    fresh = s.pop("fresh", None)
+    if D > 1:
+      head = s["stash"]["head"]
+    elif fresh is not None:
+      head = lay.pack(fresh) if lay is not None else fresh
+    else:
+      head = self._ring_load(k, ring, 0)
     write_at = s["pushes"] % D
-    s = {**s, "stash": RingView(head, self._ring_layouts[k])}
+    s["stash"] = RingView(head, lay)
     s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_fwd, do_bwd)
     if s["stash"].written is not None:
       assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
       entry, flag = s["stash"].written
       ring = self._ring_store(k, ring, write_at, entry, flag)
+      if D == 1 and flag is True:
+        s["fresh"] = entry  # dropped by `_pack_stage` at the end of a call
     s["stash"] = {"ring": ring}
     if D > 1:
       s["stash"]["head"] = self._ring_load(k, ring, s["pops"] % D)
@@ -495,6 +507,7 @@ class Schedule:
 
   def _pack_stage(self, k, s):
     s = dict(s)
+    s.pop("fresh", None)  # see `_stage_with_ring`
     stash = s.pop("stash", None)
     out = {"core": self._core_layouts[k].pack(s)}
     if stash is not None:
