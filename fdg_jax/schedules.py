@@ -343,27 +343,16 @@ class Schedule:
     """
     D = ring_size(self.algorithm, k, self.num_stages)
     ring = s["stash"]["ring"]
-    s = dict(s)
-    # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both.
-    # Where the write happened earlier in the same program (the fused engine's tick), the
-    # entry itself is read (`fresh`): XLA forwards it instead of reading the ring back.
-    lay = self._ring_layouts[k]
-    fresh = s.pop("fresh", None)
-    if D > 1:
-      head = s["stash"]["head"]
-    elif fresh is not None:
-      head = lay.pack(fresh) if lay is not None else fresh
-    else:
-      head = self._ring_load(k, ring, 0)
+    # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both
+    # (and where both calls are in one program, XLA forwards the entry written whole).
+    head = s["stash"]["head"] if D > 1 else self._ring_load(k, ring, 0)
     write_at = s["pushes"] % D
-    s["stash"] = RingView(head, lay)
+    s = {**s, "stash": RingView(head, self._ring_layouts[k])}
     s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_fwd, do_bwd)
     if s["stash"].written is not None:
       assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
       entry, flag = s["stash"].written
       ring = self._ring_store(k, ring, write_at, entry, flag)
-      if D == 1 and flag is True:
-        s["fresh"] = entry  # dropped by `_pack_stage` at the end of a call
     s["stash"] = {"ring": ring}
     if D > 1:
       s["stash"]["head"] = self._ring_load(k, ring, s["pops"] % D)
@@ -507,7 +496,6 @@ class Schedule:
 
   def _pack_stage(self, k, s):
     s = dict(s)
-    s.pop("fresh", None)  # see `_stage_with_ring`
     stash = s.pop("stash", None)
     out = {"core": self._core_layouts[k].pack(s)}
     if stash is not None:
@@ -737,8 +725,11 @@ class Schedule:
     self._has_conv = has_conv
     self._ring_layouts = [None] * K
     if self._flat_rings_apply():
-      self._ring_layouts = [Layout.of(tuple(jax.tree.leaves(e))) if e is not None else None
-                            for e in self._entry_specs]
+      # A one-slot ring (BP) stays per leaf: written whole, XLA forwards its entry to the
+      # backward of the same program, where a packed one would be a copy of every residual.
+      self._ring_layouts = [Layout.of(tuple(jax.tree.leaves(e)))
+                            if e is not None and self.ring_sizes[k] > 1 else None
+                            for k, e in enumerate(self._entry_specs)]
       if any(lay is not None and any(n.startswith("leaf") for n in lay.names)
              for lay in self._ring_layouts):
         self._ring_layouts = [None] * K  # typed PRNG keys in an entry: rings per leaf
@@ -746,9 +737,10 @@ class Schedule:
   def _flat_rings_apply(self) -> bool:
     """Whether the stash rings are kept as one flat buffer per dtype (slot after slot), so
     that a call carries a few buffers whatever the model: the fused and per-stage engines
-    with one device per stage, without telemetry (which reads the rings per leaf). Under a
-    (data, stage) mesh each leaf's ring is split along its own batch axis, so rings stay
-    per leaf; the SPMD engine keeps its own padded vectors."""
+    with one device per stage, without telemetry (which reads the rings per leaf), for
+    rings of two slots or more (see `_prepare`). Under a (data, stage) mesh each leaf's ring
+    is split along its own batch axis, so rings stay per leaf; the SPMD engine keeps its own
+    padded vectors."""
     return (self.engine in ("fused", "per_stage") and self.placement.num_replicas == 1
             and not self.telemetry_enabled)
 
