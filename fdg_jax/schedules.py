@@ -39,11 +39,11 @@ ticks never retrace.
 Each stage's parameters, optimizer state, model state and counters are kept packed into a
 few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with its leaves.
 `params`, `model_states` and `stage_state` unpack them. The stash ring is packed alike, slot
-after slot (one buffer per leaf under a (data, stage) mesh, where each leaf is split along its
-own batch axis), and next to it the state keeps its head, the entry the next tick reads, so
-that no engine reads the ring before writing it within a tick (see `_stage_with_ring`).
-Messages sent at tick t are read
-at tick t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
+after slot (it stays one buffer per leaf under a (data, stage) mesh, where each leaf is split
+along its own batch axis, with telemetry, and for one-slot rings), and next to it the state
+keeps its head, the entry the next tick reads, so that no engine reads the ring before
+writing it within a tick (see `_stage_with_ring`). Messages sent at tick t are read at tick
+t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
 `inbox`, preallocated with zeros so the state has one fixed structure from the first tick on
 (and can be checkpointed at any tick).
 """
@@ -174,7 +174,7 @@ class Schedule:
     self._constants: dict = {}
     self._telemetry_fns: dict = {}
     self._core_entry_sizes: list = [None] * self.num_stages
-    self._ring_layouts: list = [None] * self.num_stages  # flat rings (per-stage engine)
+    self._ring_layouts: list = [None] * self.num_stages  # flat rings' slot layouts
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
 
