@@ -1196,10 +1196,15 @@ def _ticks(t0: int, num_ticks: int, length: int) -> np.ndarray:
 def _zeros(spec, sharding):
   """Zero arrays of the given ShapeDtypeStruct pytree, created directly on `sharding`.
 
-  `sharding` is one sharding for every leaf or a pytree of them matching `spec`.
+  `sharding` is one sharding for every leaf or a pytree of them matching `spec`. In a
+  multi-process run they are made by one jitted call: a host value put on devices of
+  several processes costs a cross-process check per array.
   """
   if isinstance(sharding, jax.sharding.Sharding):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), spec)
+    sharding = jax.tree.map(lambda _: sharding, spec)
+  if jax.process_count() > 1:
+    make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+    return jax.jit(make, out_shardings=sharding)()
   return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), spec, sharding)
 
 
