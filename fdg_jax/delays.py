@@ -25,10 +25,21 @@ def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
   return 1 if algorithm == "bp" else delay(algorithm, stage, num_stages)
 
 
-def slots_held(algorithm: str, stage: int, num_stages: int) -> int:
-  """Stash slots stage `stage` holds: its ring, and the ring's head where the ring has two
-  slots or more (a copy of the entry the next tick reads, kept so that no tick reads the
-  ring before writing it; `Schedule._stage_with_ring`). A one-slot ring (BP) is written and
-  read by separate calls and keeps no head."""
+def ring_heads_default(platform: str) -> bool:
+  """Whether the schedules keep ring heads on `platform` by default.
+
+  A head exists so that no tick reads a ring before writing it, which XLA otherwise answers
+  with copies of the ring. XLA:CPU with the schedules' default compiler options (copy
+  insertion with region analysis, `schedules.compiler_options_for`) updates the rings in
+  place without one; elsewhere the head stays (not measured on GPUs and TPUs).
+  """
+  return platform != "cpu"
+
+
+def slots_held(algorithm: str, stage: int, num_stages: int, heads: bool = True) -> int:
+  """Stash slots stage `stage` holds: its ring, and with `heads` the ring's head where the
+  ring has two slots or more (a copy of the entry the next tick reads, kept so that no tick
+  reads the ring before writing it; `Schedule._stage_with_ring`). A one-slot ring (BP) is
+  written and read by separate calls and keeps no head."""
   d = ring_size(algorithm, stage, num_stages)
-  return d + 1 if d > 1 else d
+  return d + 1 if heads and d > 1 else d

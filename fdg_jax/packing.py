@@ -118,17 +118,25 @@ class Layout:
         leaves[i] = buf[offsets[i]:offsets[i] + n].reshape(self.shapes[i])
     return self.treedef.unflatten(leaves)
 
+  def unpack_slots(self, buffers: dict, num_slots: int) -> PyTree:
+    """The pytree of `num_slots` entries held slot after slot in `buffers` (a flat ring),
+    each leaf with a leading [num_slots] axis (longer buffers are fine)."""
+    rows = {name: buffers[name][:num_slots * n].reshape(num_slots, n)
+            for name, n in self.sizes.items()}
+    return jax.vmap(self.unpack)(rows)
+
 
 class RingView:
   """A stage's stash ring as `_stage_work` sees it: the entry this tick reads, already read
   (`head`), and the entry it writes, recorded for the engine to write after the work.
 
-  XLA updates a buffer in place only where every read of it is ordered before the write. A
-  ring read at one slot and written at another, by values that do not depend on that read,
-  is otherwise copied whole, twice per call or per loop iteration. So no engine reads the
-  ring within a stage's work: the fused and per-stage engines keep the next entry to read
-  in the state (the head), read after the previous tick's write
-  (`Schedule._stage_with_ring`); the SPMD engine slices it before its switch on the stage.
+  XLA updates a buffer in place only where it can order every read of it before the write.
+  A ring read at one slot and written at another, by values that do not depend on that
+  read, is copied whole, twice per call or loop iteration, by XLA's default copy insertion.
+  So no stage's work touches the ring itself: the engine reads the entry before the work
+  and writes the new one after it (`Schedule._stage_with_ring`), where either XLA:CPU's
+  region analysis proves the order or the entry comes from the ring's head, read after the
+  previous tick's write; the SPMD engine slices it before its switch on the stage.
 
   `head` is the entry's leaves, or with `slot` (a `Layout`) its flat buffers.
   """

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdg_jax.models import BlockRange, Model
-from fdg_jax.delays import slots_held
+from fdg_jax.delays import ring_heads_default, slots_held
 from fdg_jax.stages import Stage, training_vjp
 
 PyTree = Any
@@ -44,18 +44,22 @@ _CACHE: dict = {}
 
 
 # ----------------------------------------------------------------------------- boundaries
-def ring_length(stage: int, num_stages: int, schedule: str = "fdg") -> int:
+def ring_length(stage: int, num_stages: int, schedule: str = "fdg",
+                heads: bool | None = None) -> int:
   """Stash slots of stage `stage` as the schedules allocate them (`delays.slots_held`).
 
-  The ring (`fdg_jax.ring_size`) and its head. FDG: a ring of 2(K-1-k). DDG: K-k, one more
-  than the K-1-k entries held between ticks, because a DDG stage stashes its forward of the
-  new batch before its backward frees the oldest slot. A ring of two slots or more keeps a
-  head besides, a copy of the slot the next tick reads (so no tick reads the ring before
-  writing it), one slot more.
+  The ring (`fdg_jax.ring_size`), and its head where the schedules keep one. FDG: a ring of
+  2(K-1-k). DDG: K-k, one more than the K-1-k entries held between ticks, because a DDG
+  stage stashes its forward of the new batch before its backward frees the oldest slot.
+  With `heads` (default: the schedules' default on JAX's default backend,
+  `delays.ring_heads_default`: not on CPU), a ring of two slots or more keeps a head
+  besides, a copy of the slot the next tick reads, one slot more.
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
-  return slots_held(schedule, stage, num_stages)
+  if heads is None:
+    heads = ring_heads_default(jax.default_backend())
+  return slots_held(schedule, stage, num_stages, heads)
 
 
 def parse_split(text):
@@ -456,8 +460,8 @@ def slot_bytes(model: Model, bounds: Sequence[int], example_input) -> list[int]:
 
 
 def stash_bytes(model: Model, bounds: Sequence[int], example_input,
-                schedule: str = "fdg") -> list[int]:
-  """Bytes of each stage's whole stash: `slot_bytes` x ring_length(k, K, schedule)."""
+                schedule: str = "fdg", heads: bool | None = None) -> list[int]:
+  """Bytes of each stage's whole stash: `slot_bytes` x ring_length(k, K, schedule, heads)."""
   K = len(bounds) + 1
   slots = slot_bytes(model, bounds, example_input)
-  return [s * ring_length(k, K, schedule) for k, s in enumerate(slots)]
+  return [s * ring_length(k, K, schedule, heads) for k, s in enumerate(slots)]

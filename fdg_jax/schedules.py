@@ -40,8 +40,8 @@ Each stage's parameters, optimizer state, model state and counters are kept pack
 few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with its leaves.
 `params`, `model_states` and `stage_state` unpack them. The stash ring is packed alike, slot
 after slot (it stays one buffer per leaf under a (data, stage) mesh, where each leaf is split
-along its own batch axis, with telemetry, and for one-slot rings), and next to it the state
-keeps its head, the entry the next tick reads, so that no engine reads the ring before
+along its own batch axis, with telemetry, and for one-slot rings); off CPU the state keeps
+next to it its head, the entry the next tick reads, so that no engine reads the ring before
 writing it within a tick (see `_stage_with_ring`). Messages sent at tick t are read at tick
 t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
 `inbox`, preallocated with zeros so the state has one fixed structure from the first tick on
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fdg_jax.delays import delay, ring_size
+from fdg_jax.delays import delay, ring_heads_default, ring_size
 from fdg_jax.packing import Layout, RingView
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
@@ -79,6 +79,22 @@ def classification_metrics(outputs, labels) -> dict:
   if labels.ndim == outputs.ndim:
     labels = jnp.argmax(labels, axis=-1)
   return {"accuracy": jnp.mean((pred == labels).astype(jnp.float32))}
+
+
+def compiler_options_for(platform: str) -> dict:
+  """XLA options for the programs that run ticks on `platform` (per program, not global).
+
+  XLA:CPU: copy insertion with region analysis. By default XLA:CPU copies every
+  loop-carried value whose old and new versions are both live within a loop iteration,
+  which a tick's state always is (a stage reads last tick's message while the stage below
+  writes this tick's; the update reads the parameters the forward then uses). Region
+  analysis proves most of those copies unneeded: the quick-start MLP's FDG K=4 loop body
+  went from 40 copies to none, and its time per sample from 1.8x BP K=1's to 1.4x
+  (docs/results.md 3.2). GPUs and TPUs keep XLA's defaults (not measured there).
+  """
+  if platform == "cpu":
+    return {"xla_cpu_copy_insertion_use_region_analysis": True}
+  return {}
 
 
 def _select(flag, new, old):
@@ -115,7 +131,12 @@ class Schedule:
   Public methods: `init`, `step` (one tick), `run` (T ticks in one call), `params`,
   `model_states`, `stage_state`, `stash`, `evaluate`, `stash_bytes`. `engine`: "auto"
   (fused on one device, else per-stage), "fused", "per_stage" or "spmd" (see the module
-  docstring). The state is a pytree of device
+  docstring). `compiler_options`: XLA options of the programs that run ticks (None: the
+  platform's measured default, `compiler_options_for(platform)`; {}: XLA's own defaults).
+  `ring_heads`: whether each stash ring of two slots or more keeps its head (see
+  `_stage_with_ring`; None: where XLA is not known to update the rings in place without
+  one, that is, except on CPU with the default compiler options).
+  The state is a pytree of device
   arrays plus a host integer `tick`; `step` and `run` consume (donate) the state they are
   given, so always continue from the state they return.
   """
@@ -123,7 +144,8 @@ class Schedule:
   def __init__(self, algorithm: str, stages: Sequence[Stage], loss_fn: Callable,
                optimizer, *, beta: float = 1.0, backward: str = "stash",
                devices=None, mesh=None, metrics_fn: Callable | None = None,
-               engine: str = "auto", scan: bool | None = None, telemetry: bool = False):
+               engine: str = "auto", scan: bool | None = None, telemetry: bool = False,
+               compiler_options: dict | None = None, ring_heads: bool | None = None):
     if algorithm not in ALGORITHMS:
       raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if backward not in BACKWARD_POLICIES:
@@ -162,6 +184,12 @@ class Schedule:
                          "or 'fused' with telemetry=True")
       self._spmd = spmd_lib.Engine(self)
     self._scan = scan
+    self.compiler_options = (compiler_options_for(self.platform) if compiler_options is None
+                             else dict(compiler_options))
+    if ring_heads is None:  # the default options of this platform, or a head
+      ring_heads = (ring_heads_default(self.platform)
+                    or self.compiler_options != compiler_options_for(self.platform))
+    self.ring_heads = bool(ring_heads)
     self._core_layouts: list = [None] * self.num_stages
     self._stash_axes: list = [None] * self.num_stages
     self._stash_treedefs: list = [None] * self.num_stages
@@ -206,8 +234,12 @@ class Schedule:
     """
     if self._scan is not None:
       return bool(self._scan)
-    platform = next(iter(self.placement.state_shardings[0].device_set)).platform
-    return not (platform == "cpu" and self._has_conv)
+    return not (self.platform == "cpu" and self._has_conv)
+
+  @property
+  def platform(self) -> str:
+    """The platform of the stages' devices ("cpu", "gpu", "tpu")."""
+    return next(iter(self.placement.state_shardings[0].device_set)).platform
 
   def _stage_optimizers(self, optimizer):
     """Stage k's optimizer: `optimizer` itself, its k-th entry, or `optimizer(k, d_k)`.
@@ -331,32 +363,40 @@ class Schedule:
     return s, act_out, cot_out, updated
 
   def _stage_with_ring(self, k, s, act, cot, do_fwd, do_bwd):
-    """`_stage_work` over a state whose stash is {"ring", "head"}: the fused and per-stage
-    engines' stage work.
+    """`_stage_work` over a state whose stash is {"ring"} or {"ring", "head"}: the fused and
+    per-stage engines' stage work.
 
-    The work reads the head (the entry at slot pops % D) and records the entry it writes
-    (`RingView`); the write to slot pushes % D, and the read of the next head at the new
-    pops % D, come after it. Every read of the ring then follows its update, so XLA updates
-    it in place: reading a slot within the work, before a write that does not depend on
-    it, made XLA copy the ring, twice per tick (measured on XLA:CPU, for per-leaf and flat
-    rings alike). The price: one more slot of memory per stage, and one slot copied.
+    The work reads the entry at slot pops % D and records the entry it writes (`RingView`);
+    the engine writes it to slot pushes % D after the work. A read that the written entry
+    does not depend on is not ordered before the write, and XLA answers with copies of the
+    ring, twice per tick (XLA:CPU's default copy insertion, for per-leaf and flat rings
+    alike). Two ways out: XLA:CPU's copy insertion with region analysis (the default
+    `compiler_options` on CPU) proves the read done before the write and updates the ring
+    in place; elsewhere the ring keeps its head (`ring_heads`), a copy of the slot the next
+    tick reads, taken after the write, so that every read of the ring follows its update.
+    The head's price: one more slot of memory per stage, and one slot copied per tick.
     """
     D = ring_size(self.algorithm, k, self.num_stages)
     ring = s["stash"]["ring"]
+    head = self._has_head(k)
     # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both
     # (and where both calls are in one program, XLA forwards the entry written whole).
-    head = s["stash"]["head"] if D > 1 else self._ring_load(k, ring, 0)
+    entry = s["stash"]["head"] if head else self._ring_load(k, ring, s["pops"] % D)
     write_at = s["pushes"] % D
-    s = {**s, "stash": RingView(head, self._ring_layouts[k])}
+    s = {**s, "stash": RingView(entry, self._ring_layouts[k])}
     s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_fwd, do_bwd)
     if s["stash"].written is not None:
       assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
       entry, flag = s["stash"].written
       ring = self._ring_store(k, ring, write_at, entry, flag)
     s["stash"] = {"ring": ring}
-    if D > 1:
+    if head:
       s["stash"]["head"] = self._ring_load(k, ring, s["pops"] % D)
     return s, act_out, cot_out, updated
+
+  def _has_head(self, k: int) -> bool:
+    """Whether stage k's ring keeps its head (`ring_heads`, rings of two slots or more)."""
+    return self.ring_heads and ring_size(self.algorithm, k, self.num_stages) > 1
 
   def _ring_load(self, k, ring, slot):
     """The entry at `slot` of stage k's ring (flat buffers, or leaves)."""
@@ -533,7 +573,8 @@ class Schedule:
                      self._act_shardings[k] if do_forward else None,
                      self._cot_shardings[k] if do_backward and k > 0 else None,
                      P.scalar_shardings[k] if do_backward else None)
-    fn = _StageCall(jax.jit(step, donate_argnums=0, out_shardings=out_shardings))
+    fn = _HeadsApart(self._jit(step, donate_argnums=0, out_shardings=out_shardings),
+                     one_stage=True)
     self._step_fns[key] = fn
     return fn
 
@@ -555,9 +596,15 @@ class Schedule:
     out_shardings = (self._state_shardings(K - 1),
                      self._cot_shardings[K - 1] if K > 1 else None,
                      P.scalar_shardings[K - 1])
-    fn = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+    fn = self._jit(step, donate_argnums=0, out_shardings=out_shardings)
     self._step_fns[key] = fn
     return fn
+
+  def _jit(self, fn, **kwargs):
+    """`jax.jit` for a program that runs ticks, with `self.compiler_options`."""
+    if self.compiler_options:
+      kwargs["compiler_options"] = self.compiler_options
+    return jax.jit(fn, **kwargs)
 
   # ------------------------------------------------------------------ fused engine
   def _fused_fn(self, num_ticks: int | None):
@@ -588,7 +635,7 @@ class Schedule:
         stages = unpack_all(_with_heads(packed, heads))
         stages, inbox, updated, metrics, _ = tick(stages, inbox, batch, t)
         return pack_all(stages), inbox, updated, metrics
-      jitted = jax.jit(one, donate_argnums=(0, 2))
+      jitted = self._jit(one, donate_argnums=(0, 2))
     else:
       def many(packed, heads, inbox, xs, ys, t0, n):
         # A loop of n <= num_ticks iterations over the first n batches (n traced), so one
@@ -611,12 +658,9 @@ class Schedule:
         stages = unpack_all(_with_heads(packed, heads))
         stages, inbox, outs = jax.lax.fori_loop(0, n, body, (stages, inbox, outs))
         return pack_all(stages), inbox, outs
-      jitted = jax.jit(many, donate_argnums=(0, 2))
+      jitted = self._jit(many, donate_argnums=(0, 2))
 
-    def fn(packed, *args):
-      packed, heads = _without_heads(packed)
-      return jitted(packed, heads, *args)
-    fn._cache_size = jitted._cache_size
+    fn = _HeadsApart(jitted, one_stage=False)
     self._step_fns[key] = fn
     return fn
 
@@ -755,7 +799,7 @@ class Schedule:
       out = {"ring": tuple(P.buffer_sharding(k, None if ax is None else ax + 1)  # ring axis
                            for ax in axes),
              "head": tuple(P.buffer_sharding(k, ax) for ax in axes)}
-    if self.ring_sizes[k] == 1:
+    if not self._has_head(k):
       del out["head"]  # see `_stage_with_ring`
     return out
 
@@ -782,7 +826,7 @@ class Schedule:
         entry = jax.tree.leaves(self._entry_specs[k])
         specs = {"ring": tuple(jax.ShapeDtypeStruct((D,) + e.shape, e.dtype) for e in entry),
                  "head": tuple(entry)}
-      if D == 1:
+      if not self._has_head(k):
         del specs["head"]
       stages[k] = {**stages[k], "stash": _zeros(specs, self._stash_shardings(k))}
       # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
@@ -941,8 +985,7 @@ class Schedule:
       return tuple(ring)
     if ("stash", k) not in self._unpack_fns:
       D = self.ring_sizes[k]
-      self._unpack_fns["stash", k] = jax.jit(lambda r: tuple(jax.vmap(lay.unpack)(
-          {n: r[n].reshape(D, m) for n, m in lay.sizes.items()})))
+      self._unpack_fns["stash", k] = jax.jit(lambda r: tuple(lay.unpack_slots(r, D)))
     return self._unpack_fns["stash", k](ring)
 
   def _packed_stage(self, state, k: int) -> dict:
@@ -1040,7 +1083,9 @@ class Schedule:
     def applied(packed, cot):
       s = self._unpack_stage(k, packed)
       slot = s["pops"] % D
-      entry = tuple(s["stash"]["head"])  # the entry at slot pops % D (rings per leaf here)
+      stash = s["stash"]  # rings per leaf here
+      entry = tuple(stash["head"] if "head" in stash
+                    else self._ring_load(k, stash["ring"], slot))
       b = s["stash_batch"][slot]
       grads, _ = self._backward(k, s["params"], s["model_state"], entry, cot,
                                 _stage_key(s["rng"], b))
@@ -1077,7 +1122,7 @@ class Schedule:
 
   def stash_bytes(self, state) -> list[int]:
     """Bytes held by each stage's delay buffer: its stash ring, the ring's head where it keeps
-    one (`delays.slots_held`), and its batch indices."""
+    one (`ring_heads`, `delays.slots_held`), and its batch indices."""
     out = []
     for k, s in enumerate(state["stages"]):
       if "flat" in s:  # the SPMD engine: every stage holds a ring padded to the largest
@@ -1089,16 +1134,20 @@ class Schedule:
     return out
 
 
-class _StageCall:
-  """A per-stage engine's jitted stage call, (packed, act, cot) -> its results, with the
-  head of the stash ring passed apart (see `_without_heads`)."""
+class _HeadsApart:
+  """A jitted call of the fused or per-stage engine, `(packed, *args)`, that passes the
+  heads of the stash rings apart (see `_without_heads`). `packed`: one stage's state
+  (`one_stage`) or the list of every stage's."""
 
-  def __init__(self, jitted):
-    self.jitted = jitted
+  def __init__(self, jitted, one_stage: bool):
+    self.jitted, self.one_stage = jitted, one_stage
 
-  def __call__(self, packed, act, cot):
-    (packed,), heads = _without_heads([packed])
-    return self.jitted(packed, heads, act, cot)
+  def __call__(self, packed, *args):
+    if self.one_stage:
+      (packed,), heads = _without_heads([packed])
+    else:
+      packed, heads = _without_heads(packed)
+    return self.jitted(packed, heads, *args)
 
   def _cache_size(self) -> int:
     return self.jitted._cache_size()

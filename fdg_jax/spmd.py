@@ -172,8 +172,7 @@ class Engine:
       v = _part(vectors, lengths)
       packed = {"core": f["core"].unpack(v["core"])}
       if f["ring"] is not None:  # slot after slot -> [D, ...] per leaf
-        rows = {n: v["ring"][n][:D * m].reshape(D, m) for n, m in f["ring"].sizes.items()}
-        packed["stash"] = {"ring": tuple(jax.vmap(f["ring"].unpack)(rows))}
+        packed["stash"] = {"ring": tuple(f["ring"].unpack_slots(v["ring"], D))}
       box = {kind: f[kind].unpack(v[kind]) for kind in ("act", "cot") if f[kind] is not None}
       return packed, box
 
@@ -295,7 +294,7 @@ class Engine:
       outs["updated"] = updated
       return _join(v, lengths), outs
 
-    fn = jax.jit(jax.shard_map(per_device, mesh=self.mesh,
+    fn = s._jit(jax.shard_map(per_device, mesh=self.mesh,
                                in_specs=(P(AXIS), P(AXIS), P(AXIS), P(), P()),
                                out_specs=(P(AXIS), P()),
                                # the stash's vjp structures are traced outside shard_map,

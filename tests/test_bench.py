@@ -8,10 +8,11 @@ import json
 import math
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
-from fdg_jax import bench, partition
+from fdg_jax import bench, delays, partition
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -158,8 +159,23 @@ def test_bench_all_writes_expected_json(bench_result):
     assert per_stage["median"] == pytest.approx(per_tick["median"] / d["num_stages"])
 
 
+def test_overhead_times_compiler_option_variants_side_by_side(tmp_path, capsys):
+  out = tmp_path / "overhead.json"
+  bench.run(bench.parse_args([
+      "overhead", "--model_kwargs", '{"widths": [16, 16]}', "--input_shape", "8", "8", "1",
+      "--batch_size", "8", "--stages", "2", "--algorithms", "fdg", "--ticks", "2",
+      "--repeats", "1", "--paths", "run", "--run_ticks", "2",
+      "--compiler_options", "default", "{}", "--out", str(out)]))
+  with open(out) as f:
+    rows = json.load(f)["overhead"]
+  assert [(r["compiler_options"], r["algorithm"], r["num_stages"]) for r in rows][::4] == [
+      ("default", "bp", 1), ("{}", "bp", 1)] and len(rows) == 8
+  assert all(_positive_finite(r["ratio_vs_bp"]) for r in rows)
+  assert "| run T=2 | {} | FDG | 2 |" in capsys.readouterr().out
+
+
 def test_memory_matches_residual_sizes(bench_result):
-  """stash_bytes = (ring + head) x slot + ring int32 batch indices, slot from `partition`."""
+  """stash_bytes = (ring [+ head]) x slot + ring int32 batch indices, slot from `partition`."""
   rows = bench_result["memory"]
   assert {(m["algorithm"], m["backward"]) for m in rows} == {
       (a, p) for a in ("ddg", "fdg") for p in ("stash", "recompute")}
@@ -171,7 +187,8 @@ def test_memory_matches_residual_sizes(bench_result):
     rings = [2 * (K - 1 - k) if m["algorithm"] == "fdg" else K - k for k in range(K - 1)] + [0]
     assert list(m["ring_sizes"]) == rings
     held = [partition.ring_length(k, K, m["algorithm"]) for k in range(K)]
-    assert held == [r + 1 if r > 1 else r for r in rings]  # the head
+    heads = delays.ring_heads_default(jax.default_backend())  # the schedules' default
+    assert held == [r + 1 if heads and r > 1 else r for r in rings]  # (the head)
     if m["backward"] == "stash":
       slots = partition.slot_bytes(model, bounds, x)
     else:  # the stage input (the RNG key is rebuilt from the batch index)

@@ -96,12 +96,16 @@ def test_run_and_fused_engine_equal_per_stage_steps(algorithm, beta, backward, k
       "fused run (loop)": lambda s: by_runs(s, params, states, data, [1, 4, 8], pad=2),
       "fused run (per tick)": lambda s: by_runs(s, params, states, data, [5, 8]),
       "per-stage run": lambda s: by_runs(s, params, states, data, [6, 7], pad=1),
+      # the rings' heads, under XLA's own options (the default off CPU)
+      "per-stage run, heads": lambda s: by_runs(s, params, states, data, [6, 7], pad=1),
+      "fused run (loop), heads": lambda s: by_runs(s, params, states, data, [5, 8]),
   }
   for name, go in runs.items():
-    if name == "per-stage run":
-      sched = make(devices=jax.devices()[:K])
+    heads = {"ring_heads": True, "compiler_options": {}} if "heads" in name else {}
+    if name.startswith("per-stage run"):
+      sched = make(devices=jax.devices()[:K], **heads)
     else:
-      sched = make(scan=name != "fused run (per tick)")
+      sched = make(scan=name != "fused run (per tick)", **heads)
       assert sched.engine == "fused"
     state, trace = go(sched)
     assert trace == ref_trace, name
@@ -307,10 +311,12 @@ def test_convolutions_are_detected_for_the_default_loop():
     assert sched.scan == (not has_conv), name
 
 
-def test_per_stage_engine_keeps_flat_rings_updated_in_place():
+@pytest.mark.parametrize("options, heads", [(None, None), ({}, None), ({}, False)])
+def test_per_stage_engine_keeps_flat_rings_updated_in_place(options, heads):
   """A stage call carries a few buffers whatever the model, and XLA updates the ring in
-  place: no copy of a ring-sized buffer in the compiled call (reading the slot within the
-  call, before the write, made XLA:CPU copy the ring twice per call for convolutions)."""
+  place: no copy of a ring-sized buffer in the compiled call, with XLA:CPU's region analysis
+  (the default on CPU: no head) or with the ring's head (XLA's own options). With neither,
+  a call that reads its slot before the write copies the ring twice."""
   import re
   from fdg_jax import models, partition, schedules
   K = 2
@@ -319,25 +325,63 @@ def test_per_stage_engine_keeps_flat_rings_updated_in_place():
   stages = partition.split(m, K, "uniform", example_input=x)
   params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x)
   batch = (jnp.ones((8, 16, 16, 3)), jnp.zeros(8, jnp.int32))
-  flat = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:K])
+  kwargs = {"compiler_options": options, "ring_heads": heads}
+  flat = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:K], **kwargs)
+  on_cpu = jax.default_backend() == "cpu"
+  assert flat.ring_heads == (heads is not False and not (on_cpu and options is None))
   state = flat.init(params, states, example_batch=batch)
   stash = state["stages"][0]["stash"]
-  assert sorted(stash) == ["head", "ring"] and len(jax.tree.leaves(stash)) <= 4
-  D = flat.ring_sizes[0]
+  assert sorted(stash) == ["head", "ring"][not flat.ring_heads:]
+  assert len(jax.tree.leaves(stash)) <= 4
+  D, extra = flat.ring_sizes[0], int(flat.ring_heads)
   leaves = flat.stash(state, 0)
   assert len(leaves) > 4 and all(a.shape[0] == D for a in leaves)
   slot = sum(a.nbytes for a in leaves) // D
-  assert flat.stash_bytes(state)[0] == (D + 1) * slot + 4 * D  # the ring and its head
-  fused = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1))
+  assert flat.stash_bytes(state)[0] == (D + extra) * slot + 4 * D  # the ring (and head)
+  fused = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), **kwargs)
   fused_state = fused.init(params, states, example_batch=batch)
   assert len(jax.tree.leaves(fused_state["stages"][0]["stash"])) <= 4
-  assert fused.stash_bytes(fused_state)[0] == (D + 1) * slot + 4 * D
+  assert fused.stash_bytes(fused_state)[0] == (D + extra) * slot + 4 * D
   for _ in range(3):
     state, _ = flat.step(state, batch)
   call = flat._stage_fn(0, True, True)
   packed = state["stages"][0]
-  (rest,), heads = schedules._without_heads([packed])
-  hlo = call.jitted.lower(rest, heads, batch, state["inbox"][0]["cot"]).compile().as_text()
+  (rest,), apart = schedules._without_heads([packed])
+  hlo = call.jitted.lower(rest, apart, batch, state["inbox"][0]["cot"]).compile().as_text()
   sizes = {str(a.size) for a in packed["stash"]["ring"].values()}
-  copies = re.findall(r"= \w+\[(\d+)\]\{0\} copy\(", hlo)
-  assert not [n for n in copies if n in sizes], copies
+  copies = [n for n in re.findall(r"= \w+\[(\d+)\]\{0\} copy\(", hlo) if n in sizes]
+  if heads is False and on_cpu:  # neither: XLA:CPU's default copies the ring, twice
+    assert len(copies) == 2, copies
+  else:
+    assert not copies, copies
+
+
+def _loop_body_copies(hlo: str) -> int:
+  """Copy instructions in the body of the (one) device loop of a compiled program."""
+  import re
+  body = re.search(r"while\(.*?body=%?([\w.\-]+)", hlo).group(1)
+  comp = re.search(r"\n%?" + re.escape(body) + r" [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
+  return len(re.findall(r"= \S+ copy\(", comp))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
+def test_fused_loop_carries_a_tick_state_without_copies_on_cpu():
+  """FDG's fused `run` loop carries every stage's state and messages; the old and new
+  versions of each are live within a tick. XLA:CPU's default copy insertion copies each of
+  them every iteration; the schedule's default options (region analysis) leave none."""
+  K = 4
+  stages, params, states = model("mlp", K)
+  data = batches(8)
+  copies = {}
+  for name, options in (("default", None), ("xla", {})):
+    sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05, momentum=0.9),
+                        compiler_options=options)
+    state = sched.init(params, states, example_batch=data[0])
+    xs, ys = stacked(data)
+    state, _ = sched.run(state, (xs, ys))
+    (rest, heads) = fdg_jax.schedules._without_heads(state["stages"])
+    lowered = sched._fused_fn(len(data)).jitted.lower(
+        rest, heads, state["inbox"], xs, ys, np.int32(0), np.int32(len(data)))
+    copies[name] = _loop_body_copies(lowered.compile().as_text())
+  assert sched.compiler_options == {} and copies["default"] == 0, copies
+  assert copies["xla"] > 0, f"XLA:CPU no longer copies loop state by default: {copies}"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fdg_jax import models, partition, stages as stages_lib
+from fdg_jax import delays, models, partition, stages as stages_lib
 from fdg_jax.summary import main as summary_main
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -214,17 +214,22 @@ def test_stash_bytes():
   m = models.create("cnn", channels=(4, 6), hidden=8)
   x = jnp.zeros((2, 8, 8, 3))
   bounds = [1, 2, 3]
-  fdg = partition.stash_bytes(m, bounds, x, "fdg")
-  ddg = partition.stash_bytes(m, bounds, x, "ddg")
   slots = partition.slot_bytes(m, bounds, x)
-  # The ring and its head (every ring here has two slots or more).
-  assert fdg == [slots[k] * (2 * (3 - k) + 1) for k in range(3)] + [0]
-  assert ddg == [slots[k] * (4 - k + 1) for k in range(3)] + [0]
-  assert all(v > 0 for v in fdg[:-1])
-  for k in range(3):
-    for alg in ("fdg", "ddg"):
-      assert partition.ring_length(k, 4, alg) == sched.ring_size(alg, k, 4) + 1
-  assert partition.ring_length(3, 4, "fdg") == 0 and sched.ring_size("bp", 0, 2) == 1
+  for heads in (False, True):
+    fdg = partition.stash_bytes(m, bounds, x, "fdg", heads)
+    ddg = partition.stash_bytes(m, bounds, x, "ddg", heads)
+    # The ring, and its head (every ring here has two slots or more).
+    assert fdg == [slots[k] * (2 * (3 - k) + heads) for k in range(3)] + [0]
+    assert ddg == [slots[k] * (4 - k + heads) for k in range(3)] + [0]
+    assert all(v > 0 for v in fdg[:-1])
+    for k in range(3):
+      for alg in ("fdg", "ddg"):
+        assert partition.ring_length(k, 4, alg, heads) == sched.ring_size(alg, k, 4) + heads
+    assert partition.ring_length(3, 4, "fdg", heads) == 0
+    assert delays.slots_held("bp", 0, 2, heads) == sched.ring_size("bp", 0, 2) == 1
+  default = delays.ring_heads_default(jax.default_backend())
+  assert partition.stash_bytes(m, bounds, x) == partition.stash_bytes(m, bounds, x, "fdg",
+                                                                      default)
   # A slot holds at least the stage input (a conv's backward needs it) and the weights.
   assert slots[0] >= x.size * 4 + (3 * 3 * 3 * 4 + 4) * 4
   # Independent count: the residual leaves of a concrete vjp of the first stage.

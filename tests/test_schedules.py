@@ -354,19 +354,22 @@ def test_stash_sizes_follow_the_ring_lengths():
   K = 4
   applies, params, states = make_model("mlp", K)
   (x, y), = batches(1)
-  sizes = {}
-  for backward in ("stash", "recompute"):
-    sched = fdg_jax.fdg(stages_of(applies), loss_fn, optax.sgd(0.1), backward=backward)
-    state = sched.init(params, states, example_batch=(x, y))
-    sizes[backward] = sched.stash_bytes(state)
-    assert sched.ring_sizes == (6, 4, 2, 0)
-  # recompute keeps the input (8x6 float32) per slot, plus the int32 batch index of the slot
-  # (from which the forward's RNG key is rebuilt); the head is one more input.
-  per_slot, head = 8 * 6 * 4 + 4, 8 * 6 * 4
-  assert sizes["recompute"] == [6 * per_slot + head, 4 * per_slot + head, 2 * per_slot + head, 0]
-  # stash keeps vjp residuals: at least the input, and the weights it used.
-  assert all(s > r for s, r in zip(sizes["stash"][:3], sizes["recompute"][:3]))
-  assert sizes["stash"][3] == 0
+  for heads in (False, True):
+    sizes = {}
+    for backward in ("stash", "recompute"):
+      sched = fdg_jax.fdg(stages_of(applies), loss_fn, optax.sgd(0.1), backward=backward,
+                          ring_heads=heads)
+      state = sched.init(params, states, example_batch=(x, y))
+      sizes[backward] = sched.stash_bytes(state)
+      assert sched.ring_sizes == (6, 4, 2, 0)
+    # recompute keeps the input (8x6 float32) per slot, plus the int32 batch index of the
+    # slot (from which the forward's RNG key is rebuilt); a head is one more input.
+    per_slot, head = 8 * 6 * 4 + 4, 8 * 6 * 4 * heads
+    assert sizes["recompute"] == [6 * per_slot + head, 4 * per_slot + head,
+                                  2 * per_slot + head, 0]
+    # stash keeps vjp residuals: at least the input, and the weights it used.
+    assert all(s > r for s, r in zip(sizes["stash"][:3], sizes["recompute"][:3]))
+    assert sizes["stash"][3] == 0
 
 
 def test_bad_arguments_are_rejected():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -151,9 +152,10 @@ def placement_for(num_stages: int):
   return None, "1 device"
 
 
-def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="auto"):
+def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="auto",
+                  compiler_options=None):
   import fdg_jax
-  kwargs = {"devices": devices, "engine": engine}
+  kwargs = {"devices": devices, "engine": engine, "compiler_options": compiler_options}
   if algorithm != "bp":
     kwargs["backward"] = backward
   return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), **kwargs)
@@ -300,6 +302,11 @@ def _paths(args) -> list[tuple[str, int | None]]:
           for p in args.paths]
 
 
+def _compiler_options(args) -> list[tuple[str, dict | None]]:
+  """(label, Schedule's compiler_options) of each --compiler_options value."""
+  return [(v, None) if v == "default" else (v, json.loads(v)) for v in args.compiler_options]
+
+
 def bench_overhead(args, model) -> list[dict]:
   """Per-sample time on ONE device of each schedule split into K stages over BP K=1's.
 
@@ -312,21 +319,23 @@ def bench_overhead(args, model) -> list[dict]:
   Ks = [k for k in args.stages if k > 1]
   split = {K: build_stages(model, K, args.split, args.batch_size) for K in Ks}
   rows, entries, bases = [], [], []
-  for path, T in _paths(args):
+  for (path, T), (label, options) in itertools.product(_paths(args),
+                                                       _compiler_options(args)):
     base = len(entries)
-    rows.append({"algorithm": "bp", "num_stages": 1, "backward": None, "path": path})
-    entries.append(prepare(make_schedule("bp", stages1), params1, states1, batch,
-                           run_ticks=T))
+    common = {"path": path, "compiler_options": label}
+    rows.append({"algorithm": "bp", "num_stages": 1, "backward": None, **common})
+    entries.append(prepare(make_schedule("bp", stages1, compiler_options=options), params1,
+                           states1, batch, run_ticks=T))
     bases.append(base)
     for K in Ks:
       _, stages, params, states = split[K]
       variants = [("bp", None)] + [(a, p) for a in ("ddg", "fdg") if a in args.algorithms
                                    for p in POLICIES]
       for algorithm, policy in variants:
-        schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None)
+        schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None,
+                                 compiler_options=options)
         entries.append(prepare(schedule, params, states, batch, run_ticks=T))
-        rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy,
-                     "path": path})
+        rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy, **common})
         bases.append(base)
   times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   for row, t, base in zip(rows, times, bases):
@@ -336,19 +345,25 @@ def bench_overhead(args, model) -> list[dict]:
                ratio_vs_bp=statistics.median(ratios), ratio_vs_bp_spread=spread(ratios),
                # Fastest over fastest: the least disturbed repetitions of a shared machine.
                ratio_of_minima=min(t["step"]) / min(b))
-    _progress(f"overhead {row['path']} {row['algorithm']} K={row['num_stages']} "
+    _progress(f"overhead {row['path']} {row['compiler_options']} {row['algorithm']} "
+              f"K={row['num_stages']} "
               f"{row['backward'] or ''}: x{row['ratio_vs_bp']:.3f}")
   del entries
   return rows
 
 
 def overhead_table(rows) -> str:
-  lines = ["| path | algorithm | K | backward | µs per sample, median [min, max] | "
+  # The compiler-options column only where rows differ in it.
+  options = len({r.get("compiler_options", "default") for r in rows}) > 1
+  lines = ["| path | " + ("compiler options | " if options else "") +
+           "algorithm | K | backward | µs per sample, median [min, max] | "
            "× BP K=1 (same path), median [min, max] | × BP K=1, min / min |",
-           "|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|" + ("---|" if options else "")]
   for r in rows:
     s, q = r["time_per_sample_s"], r["ratio_vs_bp_spread"]
-    lines.append(f"| {r.get('path', 'step')} | {r['algorithm'].upper()} | {r['num_stages']} | "
+    col = f" {r.get('compiler_options', 'default')} |" if options else ""
+    lines.append(f"| {r.get('path', 'step')} |{col} {r['algorithm'].upper()} | "
+                 f"{r['num_stages']} | "
                  f"{r['backward'] or '–'} | "
                  f"{1e6 * s['median']:.2f} [{1e6 * s['min']:.2f}, {1e6 * s['max']:.2f}] | "
                  f"{r['ratio_vs_bp']:.3f} [{q['min']:.3f}, {q['max']:.3f}] | "
@@ -786,6 +801,10 @@ def parse_args(argv=None):
   parser.add_argument("--paths", nargs="+", default=["run", "step"], choices=("run", "step"),
                       help="how overhead and dispatch call the schedule")
   parser.add_argument("--run_ticks", type=int, default=32, help="T of each run call")
+  parser.add_argument("--compiler_options", nargs="+", default=["default"],
+                      help="overhead: XLA options of the schedules' programs, each variant "
+                      "timed side by side: 'default' (the platform's) or JSON, e.g. '{}' "
+                      "for XLA's own")
   parser.add_argument("--engines", nargs="+", default=["per_stage", "spmd", "fused"],
                       choices=("per_stage", "spmd", "fused"),
                       help="dispatch: the engines timed (per_stage and spmd on K devices)")
