@@ -11,7 +11,9 @@
 #                  the SPMD program too), ResNet-110 K=4 (with its compile time; the SPMD
 #                  program separately, last: its compile time is not known)
 #   overhead_*     one device, FDG K=4 over BP K=1 per sample: quick-start MLP, ResNet-20 in
-#                  float32 and bfloat16
+#                  float32 and bfloat16; the quick start also with XLA:GPU's copy insertion
+#                  with region analysis, side by side (on CPU its twin is the default, and
+#                  lets the stash rings drop their heads: docs/results.md 3.9)
 # (Stash memory is exact on any machine: `python -m fdg_jax.bench memory` needs no accelerator.)
 # The most wanted figures come first.
 # The figures go to docs/results.md, marked with the device they were measured on.
@@ -43,7 +45,8 @@ run dispatch_resnet110 dispatch --dispatch_model resnet110 --dispatch_batch 2 --
 run overhead_resnet20_f32 overhead "${RESNET20[@]}" --dtype float32
 run overhead_resnet20_bf16 overhead "${RESNET20[@]}" --dtype bfloat16
 run dispatch_tiny dispatch --stages 4 --algorithms bp ddg fdg --repeats 3
-run overhead_quickstart overhead "${QUICKSTART[@]}" --ticks 64 --repeats 5
+run overhead_quickstart overhead "${QUICKSTART[@]}" --ticks 64 --repeats 5 \
+    --compiler_options default '{"xla_gpu_copy_insertion_use_region_analysis": true}'
 run dispatch_resnet110_spmd dispatch --dispatch_model resnet110 --dispatch_batch 2 \
     --split balanced --stages 4 --algorithms fdg --dispatch_ticks 64 --run_ticks 32 \
     --repeats 3 --engines spmd --paths run

@@ -88,9 +88,10 @@ def compiler_options_for(platform: str) -> dict:
   loop-carried value whose old and new versions are both live within a loop iteration,
   which a tick's state always is (a stage reads last tick's message while the stage below
   writes this tick's; the update reads the parameters the forward then uses). Region
-  analysis proves most of those copies unneeded: the quick-start MLP's FDG K=4 loop body
-  went from 40 copies to none, and its time per sample from 1.8x BP K=1's to 1.4x
-  (docs/results.md 3.2). GPUs and TPUs keep XLA's defaults (not measured there).
+  analysis proves those copies unneeded: the quick-start MLP's FDG K=4 loop body went
+  from 40 copies to none, and its time per sample from 1.8-1.9x BP K=1's to 1.4-1.5x; it
+  also updates the stash rings in place without their heads (`ring_heads`; docs/results.md
+  3.9). GPUs and TPUs keep XLA's defaults (not measured there).
   """
   if platform == "cpu":
     return {"xla_cpu_copy_insertion_use_region_analysis": True}

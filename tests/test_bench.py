@@ -196,6 +196,8 @@ def test_memory_matches_residual_sizes(bench_result):
       slots = [int(np.prod(infos[a].input.shape)) * 4
                for a, _ in partition.stage_ranges(bounds, model.num_blocks)]
     assert m["stash_bytes"] == [h * s + 4 * r for h, r, s in zip(held, rings, slots)]
+    assert m["ring_heads"] == heads and m["stash_bytes_total_with_heads"] == sum(
+        (r + (r > 1)) * s + 4 * r for r, s in zip(rings, slots))
     assert m["param_bytes_total"] == 4 * sum(
         partition.param_count(i.params) for i in partition.block_info(model, x))
     assert m["bp_activation_bytes"] > 0
