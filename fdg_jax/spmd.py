@@ -295,12 +295,12 @@ class Engine:
       return _join(v, lengths), outs
 
     fn = s._jit(jax.shard_map(per_device, mesh=self.mesh,
-                               in_specs=(P(AXIS), P(AXIS), P(AXIS), P(), P()),
-                               out_specs=(P(AXIS), P()),
-                               # the stash's vjp structures are traced outside shard_map,
-                               # without the axis in their types
-                               check_vma=False),
-                 donate_argnums=0)
+                              in_specs=(P(AXIS), P(AXIS), P(AXIS), P(), P()),
+                              out_specs=(P(AXIS), P()),
+                              # the stash's vjp structures are traced outside shard_map,
+                              # without the axis in their types
+                              check_vma=False),
+                donate_argnums=0)
     self._fns[key] = fn
     return fn
 
