@@ -206,6 +206,7 @@ class Schedule:
     self._ring_layouts: list = [None] * self.num_stages  # flat rings' slot layouts
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
+    self._data_axis = None  # set while the SPMD engine traces a program over replicas
 
   # ------------------------------------------------------------------ properties
   @property
@@ -314,7 +315,27 @@ class Schedule:
     grad_params, grad_x, _ = vjp_fn(cotangent)
     return grad_params, grad_x
 
+  def _key(self, stage_rng, batch):
+    """`_stage_key`, and within an SPMD program over replicas, each replica's own key (its
+    own dropout masks for its part of the batch)."""
+    key = _stage_key(stage_rng, batch)
+    if self._data_axis is not None:
+      key = jax.random.fold_in(key, jax.lax.axis_index(self._data_axis))
+    return key
+
+  def _replica_mean(self, tree):
+    """Within an SPMD program over replicas, the mean over the replicas of `tree`'s float
+    leaves (gradients, BatchNorm statistics, loss and metrics); else `tree`. The other
+    engines need none: their programs see the global batch, and jit inserts the
+    all-reduce."""
+    if self._data_axis is None:
+      return tree
+    mean = lambda a: (jax.lax.pmean(a, self._data_axis)
+                      if jnp.issubdtype(a.dtype, jnp.inexact) else a)
+    return jax.tree.map(mean, tree)
+
   def _update(self, k, params, opt_state, grads):
+    grads = self._replica_mean(grads)
     updates, opt_state = self.optimizers[k].update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -335,7 +356,7 @@ class Schedule:
     if do_bwd is not False:
       slot = s["pops"] % D
       entry = s["stash"].read(slot)
-      key = _stage_key(s["rng"], s["stash_batch"][slot])
+      key = self._key(s["rng"], s["stash_batch"][slot])
       grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot, key)
       params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
       params, opt_state = _select(do_bwd, (params, opt_state), (s["params"], s["opt_state"]))
@@ -352,13 +373,13 @@ class Schedule:
         x, y, batch = act
       params_fwd, s["opt_state"] = self._forward_params(k, params_fwd, s["opt_state"], do_fwd)
       h, model_state, entry = self._forward(k, params_fwd, s["model_state"], x,
-                                            _stage_key(s["rng"], batch))
+                                            self._key(s["rng"], batch))
       entry = entry + self._telemetry_extras(k, params_fwd, x, y)
       slot = s["pushes"] % D
       s["stash"] = s["stash"].write(slot, entry, do_fwd)
       s["stash_batch"] = s["stash_batch"].at[slot].set(
           _select(do_fwd, batch, s["stash_batch"][slot]))
-      model_state = _select(do_fwd, model_state, s["model_state"])
+      model_state = _select(do_fwd, self._replica_mean(model_state), s["model_state"])
       s.update(model_state=model_state, pushes=s["pushes"] + _count(do_fwd))
       act_out = (h, y, batch)
     return s, act_out, cot_out, updated
@@ -425,7 +446,7 @@ class Schedule:
       (x, y), batch = act, s["pushes"]
     else:
       x, y, batch = act
-    sub = _stage_key(s["rng"], batch)
+    sub = self._key(s["rng"], batch)
     params_fwd, s["opt_state"] = self._forward_params(K - 1, s["params"], s["opt_state"], active)
 
     def loss(p, a):
@@ -437,11 +458,11 @@ class Schedule:
         params_fwd, x)
     grads, grad_x = grads if K > 1 else (grads, None)
     params, opt_state = self._update(K - 1, s["params"], s["opt_state"], grads)
-    new = _select(active, (params, opt_state, ms),
+    new = _select(active, (params, opt_state, self._replica_mean(ms)),
                   (s["params"], s["opt_state"], s["model_state"]))
     s.update(zip(("params", "opt_state", "model_state"), new))
     s["pushes"] = s["pushes"] + _count(active)
-    metrics = {"loss": value, "batch": batch, **self.metrics_fn(out, y)}
+    metrics = self._replica_mean({"loss": value, "batch": batch, **self.metrics_fn(out, y)})
     return s, grad_x, metrics
 
   def _tick(self, stages, inbox, batch, t, ops):
@@ -722,6 +743,10 @@ class Schedule:
         lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + a.shape[1:], a.dtype)
         if a.shape else a, t)
     x_spec, y_spec = spec(batch[0]), spec(batch[1])
+    if x_spec.shape[0] % P.num_replicas:
+      raise ValueError(f"a batch of {x_spec.shape[0]} does not split evenly over the "
+                       f"{P.num_replicas} data-parallel replicas; use a multiple of "
+                       f"{P.num_replicas}")
     self._batch_spec = (x_spec, y_spec)
     self._entry_specs = [None] * K
     self._core_entry_sizes = [None] * K

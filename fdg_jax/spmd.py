@@ -19,9 +19,23 @@ buffers per stage whatever the model. The stash ring stays outside the switch (s
 
 The batches reach stage 0's device only (the labels travel with the activations, as in the
 other engines); the other devices hold cached zeros of their shape.
+
+Data-parallel replicas (an (R, K) ("data", "stage") mesh, `mesh=`): the program is
+`shard_map`ped over both axes, each device holding its replica's share of the batch (B/R
+examples) and of the messages and stash, and its own copy of its stage's core state. The
+stage work is the same function, traced with the schedule's replica axis set
+(`Schedule._replica_mean`): gradients, BatchNorm statistics and the metrics are averaged
+over the replicas with `pmean` (inside the switch: the devices of one stage column take the
+same branch), and each replica draws its own dropout masks. Unlike the per-stage engine,
+whose programs see the global batch (jit inserts the all-reduce, and BatchNorm normalises
+over all B examples), a BatchNorm layer here normalises over its replica's B/R examples, as
+data-parallel training without synchronised BatchNorm does; for models without such
+batch-coupled layers and dropout the two engines agree to float rounding.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from fdg_jax.packing import Layout, RingView, pad as _pad
+from fdg_jax.placement import DATA_AXIS
 
 AXIS = "stage"
 KINDS = ("core", "ring", "act", "cot")
@@ -49,9 +64,21 @@ class Engine:
 
   def __init__(self, schedule):
     self.schedule = schedule
-    self.devices = [next(iter(s.device_set)) for s in schedule.placement.state_shardings]
-    self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
+    self.columns = [_column(s) for s in schedule.placement.state_shardings]
+    self.devices = [c[0] for c in self.columns]  # replica 0's
+    self.replicas = R = len(self.columns[0])
+    if R == 1:
+      self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
+      self._vector_spec, self._batch_spec = P(AXIS), P(AXIS)
+      self._column_shardings = [SingleDeviceSharding(d) for d in self.devices]
+    else:  # device (r, k): replica r's stage k
+      grid = np.asarray(self.columns, dtype=object).T
+      self.mesh = Mesh(grid, (DATA_AXIS, AXIS))
+      self._vector_spec, self._batch_spec = P((DATA_AXIS, AXIS)), P(AXIS, DATA_AXIS)
+      self._column_shardings = [NamedSharding(Mesh(np.asarray(c, dtype=object), (DATA_AXIS,)),
+                                              P(DATA_AXIS)) for c in self.columns]
     self._layouts = None
+    self._local = None
     self._fns: dict = {}
 
   @staticmethod
@@ -63,13 +90,11 @@ class Engine:
                        "within a tick); use engine='per_stage'")
     if K < 2:
       raise ValueError("engine='spmd' needs at least 2 stages, one per device")
-    if P_.num_replicas != 1 or any(len(s.device_set) != 1 for s in P_.state_shardings):
-      raise ValueError("engine='spmd' takes one device per stage (no data-parallel "
-                       "replicas yet); use engine='per_stage' for a (data, stage) mesh")
-    devices = [next(iter(s.device_set)) for s in P_.state_shardings]
-    if len(set(devices)) != K:
-      raise ValueError("engine='spmd' needs K distinct devices (devices=jax.devices()[:K]); "
-                       "on one device use engine='fused'")
+    devices = [d for s in P_.state_shardings for d in _column(s)]
+    if len(set(devices)) != K * P_.num_replicas:
+      raise ValueError("engine='spmd' needs K distinct devices (devices=jax.devices()[:K]), "
+                       "or R x K distinct devices in a (data, stage) mesh; on one device "
+                       "use engine='fused'")
     if jax.process_count() > 1:
       raise ValueError("engine='spmd' runs in one process; a pipeline across processes "
                        "uses engine='per_stage'")
@@ -85,13 +110,14 @@ class Engine:
     if self._layouts is not None:
       return self._layouts
     s, K = self.schedule, self.schedule.num_stages
+    entry_specs, act_specs, _ = self.local_specs()
     flats = []
     for k in range(K):
       core = _layout({name: jax.ShapeDtypeStruct((n,), name)
                       for name, n in _layout(s._core_spec(k)).sizes.items()})
-      ring = _layout(tuple(s._entry_specs[k])) if k < K - 1 else None
-      act = _layout(s._act_specs[k - 1]) if k > 0 else None
-      cot = _layout(s._act_specs[k][0]) if k < K - 1 else None
+      ring = _layout(tuple(entry_specs[k])) if k < K - 1 else None
+      act = _layout(act_specs[k - 1]) if k > 0 else None
+      cot = _layout(act_specs[k][0]) if k < K - 1 else None
       flats.append({"core": core, "ring": ring, "act": act, "cot": cot})
     lengths = {kind: {} for kind in KINDS}
     slots: dict[str, int] = {}
@@ -110,6 +136,36 @@ class Engine:
           for k, f in enumerate(flats) if f["ring"] is not None])
     self._layouts = flats, lengths, slots
     return self._layouts
+
+  def local_specs(self):
+    """Per stage, what one device of the program holds: (stash entry specs, outgoing
+    activation message specs, the stash's vjp treedefs). With one replica, the schedule's
+    own; with R, those of a B/R batch (traced: the vjp's structure, e.g. the cotangent
+    shapes it checks, follows the batch)."""
+    s, K, R = self.schedule, self.schedule.num_stages, self.replicas
+    if R == 1:
+      return s._entry_specs, s._act_specs, s._stash_treedefs
+    if self._local is not None:
+      return self._local
+    x, y = s._batch_spec  # a multiple of R (`Schedule._prepare`)
+    local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // R,) + a.shape[1:], a.dtype)
+    a, y = local(x), local(y)
+    entries, acts, treedefs = [None] * K, [None] * K, [None] * K
+    for k in range(K - 1):
+      c = s._core_spec(k)
+      if s.backward == "stash":
+        _, vjp, _ = jax.eval_shape(lambda p, ms, x_, r, k=k: s._vjp(k, p, ms, x_, r),
+                                   c["params"], c["model_state"], a, c["rng"])
+        leaves, treedefs[k] = jax.tree.flatten(vjp)
+        entries[k] = tuple(leaves)
+      else:
+        entries[k] = (a,)
+      h, _, _ = jax.eval_shape(lambda p, ms, x_, r, k=k: s._forward(k, p, ms, x_, r),
+                               c["params"], c["model_state"], a, c["rng"])
+      acts[k] = (h, y, jax.ShapeDtypeStruct((), jnp.int32))
+      a = h
+    self._local = entries, acts, treedefs
+    return self._local
 
   def _tables(self) -> dict:
     """Per-stage constants the program indexes by its stage: ring size, where the `pops`
@@ -156,6 +212,61 @@ class Engine:
       return _join(out, lengths)
 
     fn = jax.jit(stack, out_shardings=SingleDeviceSharding(self.devices[k]))
+    self._fns[key] = fn
+    return fn
+
+  def _start_fn(self, k: int):
+    """With replicas: stage k's packed core -> its vectors on its column, each replica's
+    block the core and zeros (the ring and inbox of a state just allocated)."""
+    key = ("start", k)
+    if key in self._fns:
+      return self._fns[key]
+    flats, lengths, _ = self.layouts()
+    f, R = flats[k], self.replicas
+
+    def start(core):
+      out = {"core": f["core"].pack(core, lengths["core"])}
+      for kind in ("ring", "act", "cot"):
+        out[kind] = {n: jnp.zeros((L,), n) for n, L in lengths[kind].items()}
+      return {n: jnp.tile(v, R) for n, v in _join(out, lengths).items()}
+
+    fn = jax.jit(start, out_shardings=self._column_shardings[k])
+    self._fns[key] = fn
+    return fn
+
+  def _gather_fn(self, k: int):
+    """With replicas: the inverse of `_start_fn` for any state, as the other engines lay it
+    out: the core of replica 0 (the replicas' cores are equal), and each batch-major leaf of
+    the stash and inbox the replicas' parts joined along its batch axis (a leaf that is not
+    batch-major, e.g. a BatchNorm layer's batch statistics, is replica 0's)."""
+    key = ("gather", k)
+    if key in self._fns:
+      return self._fns[key]
+    s, R = self.schedule, self.replicas
+    flats, lengths, _ = self.layouts()
+    f, D = flats[k], s.ring_sizes[k]
+
+    def join(parts, axis):
+      return parts[0] if axis is None else jnp.concatenate(parts, axis)
+
+    def gather(vectors):
+      rows = [_part({n: v.reshape(R, -1)[r] for n, v in vectors.items()}, lengths)
+              for r in range(R)]
+      packed = {"core": f["core"].unpack(rows[0]["core"])}
+      if f["ring"] is not None:
+        rings = [f["ring"].unpack_slots(row["ring"], D) for row in rows]
+        packed["stash"] = {"ring": tuple(
+            join(parts, None if ax is None else ax + 1)
+            for parts, ax in zip(zip(*rings), s._stash_axes[k]))}
+      box = {}
+      for kind in ("act", "cot"):
+        if f[kind] is not None:
+          trees = [f[kind].unpack(row[kind]) for row in rows]
+          box[kind] = jax.tree.map(lambda *parts: join(parts, 0 if parts[0].ndim else None),
+                                   *trees)
+      return packed, box
+
+    fn = jax.jit(gather)
     self._fns[key] = fn
     return fn
 
@@ -294,15 +405,32 @@ class Engine:
       outs["updated"] = updated
       return _join(v, lengths), outs
 
-    fn = s._jit(jax.shard_map(per_device, mesh=self.mesh,
-                              in_specs=(P(AXIS), P(AXIS), P(AXIS), P(), P()),
-                              out_specs=(P(AXIS), P()),
-                              # the stash's vjp structures are traced outside shard_map,
-                              # without the axis in their types
-                              check_vma=False),
-                donate_argnums=0)
+    vec, bat = self._vector_spec, self._batch_spec
+    program = jax.shard_map(per_device, mesh=self.mesh, in_specs=(vec, bat, bat, P(), P()),
+                            out_specs=(vec, P()),
+                            # the stash's vjp structures are traced outside shard_map,
+                            # without the axes in their types
+                            check_vma=False)
+    fn = s._jit(self._traced_per_replica(program), donate_argnums=0)
     self._fns[key] = fn
     return fn
+
+  def _traced_per_replica(self, fn):
+    """`fn` traced with the schedule's stage work set for one replica's share of the batch
+    (its replica axis and vjp structures), and reset after, whatever happens."""
+    if self.replicas == 1:
+      return fn
+    s = self.schedule
+
+    def traced(*args):
+      saved = s._data_axis, s._stash_treedefs
+      s._data_axis, s._stash_treedefs = DATA_AXIS, list(self.local_specs()[2])
+      try:
+        return fn(*args)
+      finally:
+        s._data_axis, s._stash_treedefs = saved
+
+    return traced
 
   # ------------------------------------------------------------------ state
   def flatten(self, state):
@@ -310,12 +438,17 @@ class Engine:
     K = self.schedule.num_stages
     stages = []
     for k in range(K):
-      stages.append({"flat": self._stack_fn(k)(state["stages"][k], state["inbox"][k])})
+      if self.replicas == 1:
+        stages.append({"flat": self._stack_fn(k)(state["stages"][k], state["inbox"][k])})
+      else:  # from an allocated state (zero stash and inbox), as `Schedule._allocate` gives
+        stages.append({"flat": self._start_fn(k)(state["stages"][k]["core"])})
       _free((state["stages"][k], state["inbox"][k]))  # shapes change: freed, not donated
     return {**state, "stages": stages, "inbox": [{} for _ in range(K)]}
 
   def unflatten(self, state, k: int):
     """Stage k's (packed state, inbox) in the other engines' layout (a copy)."""
+    if self.replicas > 1:
+      return self._gather_fn(k)(state["stages"][k]["flat"])
     return self._split_fn(k)(state["stages"][k]["flat"])
 
   def core(self, state, k: int) -> dict:
@@ -323,7 +456,9 @@ class Engine:
     key = ("core", k)
     if key not in self._fns:
       flats, lengths, _ = self.layouts()
-      self._fns[key] = jax.jit(lambda v: flats[k]["core"].unpack(_part(v, lengths)["core"]))
+      R = self.replicas  # replica 0's copy
+      self._fns[key] = jax.jit(lambda v: flats[k]["core"].unpack(
+          _part({n: a.reshape(R, -1)[0] for n, a in v.items()}, lengths)["core"]))
     return self._fns[key](state["stages"][k]["flat"])
 
   # ------------------------------------------------------------------ run and step
@@ -331,69 +466,105 @@ class Engine:
     """T ticks from `state` over the first T of `length` batches (xs, ys: [length, ...]).
 
     Returns (state, metrics as `Schedule.run` documents them, but `tick`), the metrics on
-    the last stage's device."""
-    return self._go(state, jax.device_put((xs, ys), self.devices[0]), T, length)
+    the last stage's device (replica 0's)."""
+    return self._go(state, jax.device_put((xs, ys), self._first_sharding()), T, length)
 
   def step(self, state, batch):
     """One tick, as `run` with T = 1. Returns (state, metrics as `Schedule.step` gives
     them, but `tick`; every value on the last stage's device)."""
     s, K, t = self.schedule, self.schedule.num_stages, int(state["tick"])
-    state, out = self._go(state, _leading(tuple(batch), self.devices[0]), 1, 1)
+    state, out = self._go(state, _leading(tuple(batch), self._first_sharding()), 1, 1)
     metrics, updated = _first_row(out)
     flags = [s._flags(k, t) for k in range(K)]
     updated = tuple(u if f[1] else None for u, f in zip(updated, flags))
     return state, {**(metrics if flags[K - 1][0] else {}), "updated": updated}
 
+  def _first_sharding(self):
+    """Where stage 0's [length, B, ...] batches go: its device, or its column of replicas,
+    split along the batch axis."""
+    if self.replicas == 1:
+      return self._column_shardings[0]
+    return NamedSharding(self._column_shardings[0].mesh, P(None, DATA_AXIS))
+
   def _go(self, state, first, T: int, length: int):
-    """`run` given stage 0's [length, ...] batches on its device."""
+    """`run` given stage 0's [length, ...] batches on its devices."""
     K = self.schedule.num_stages
-    flat = self._stage_axis([s["flat"] for s in state["stages"]])
-    batches = self._stage_axis([first] + [self._zeros_like(first, k) for k in range(1, K)])
+    flat = self._on_mesh([s["flat"] for s in state["stages"]], self._vector_spec)
+    batches = self._on_mesh([first] + [self._zeros_like(first, k) for k in range(1, K)],
+                            self._batch_spec)
     flat, outs = self._program(length)(flat, *batches, np.int32(int(state["tick"])),
                                        np.int32(T))
-    outs = jax.tree.map(lambda a: a.addressable_data(self._index(a, K - 1)), outs)
-    stages = [{"flat": {n: a.addressable_data(self._index(a, k)) for n, a in flat.items()}}
-              for k in range(K)]
+    last = self.devices[K - 1]
+    outs = jax.tree.map(lambda a: a.addressable_data(self._index(a, last)), outs)
+    stages = [{"flat": {n: self._column(a, k) for n, a in flat.items()}} for k in range(K)]
     return {**state, "stages": stages}, outs
 
-  def _stage_axis(self, parts: list):
-    """Per-device pytrees of arrays (stage order) as arrays on the mesh, their blocks
-    along the leading axis."""
-    K, sharding = len(parts), NamedSharding(self.mesh, P(AXIS))
+  def _on_mesh(self, parts: list, spec):
+    """Per-stage pytrees of arrays (stage order), each on its stage's column, as arrays on
+    the mesh: the stages' blocks along the axis `spec` names "stage", the replicas' along
+    the one it names "data" (their shards as they lie)."""
+    K, R, sharding = len(parts), self.replicas, NamedSharding(self.mesh, spec)
+    axes = {name: i for i, names in enumerate(spec)
+            for name in (names if isinstance(names, tuple) else (names,))}
     leaves = [jax.tree.leaves(p) for p in parts]
-    out = [jax.make_array_from_single_device_arrays((K * a.shape[0],) + a.shape[1:], sharding,
-                                                    list(column))
-           for a, column in zip(leaves[0], zip(*leaves))]
+    out = []
+    for a, column in zip(leaves[0], zip(*leaves)):
+      shape = list(a.shape)
+      shape[axes[AXIS]] *= K
+      if R > 1 and axes[DATA_AXIS] != axes[AXIS]:  # the batch axis: whole on each stage
+        shape[axes[DATA_AXIS]] = a.shape[axes[DATA_AXIS]]
+      shards = [shard.data for b in column for shard in b.addressable_shards]
+      out.append(jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards))
     return jax.tree.unflatten(jax.tree.structure(parts[0]), out)
 
+  def _column(self, array, k: int):
+    """Stage k's part of a mesh array of vectors, on its device or column."""
+    if self.replicas == 1:
+      return array.addressable_data(self._index(array, self.devices[k]))
+    shards = [array.addressable_data(self._index(array, d)) for d in self.columns[k]]
+    size = shards[0].shape[0] * self.replicas
+    return jax.make_array_from_single_device_arrays((size,), self._column_shardings[k],
+                                                    shards)
+
   def _zeros_like(self, tree, k: int):
-    """Cached zeros shaped like `tree`'s leaves on stage k's device (the batches' place on
-    the devices that do not read them)."""
+    """Cached zeros shaped like `tree`'s leaves on stage k's devices (the batches' place on
+    the devices that do not read them), sharded like `tree`."""
     key = ("zeros", k, tuple((np.shape(a), jnp.dtype(a.dtype).name)
                              for a in jax.tree.leaves(tree)))
     if key not in self._fns:
+      if self.replicas == 1:
+        sharding = self._column_shardings[k]
+      else:
+        sharding = NamedSharding(self._column_shardings[k].mesh, P(None, DATA_AXIS))
       self._fns[key] = jax.tree.map(
-          lambda a: jnp.zeros(np.shape(a), a.dtype, device=self.devices[k]), tree)
+          lambda a: jax.device_put(np.zeros(np.shape(a), a.dtype), sharding), tree)
     return self._fns[key]
 
-  def _index(self, array, k: int) -> int:
-    """Which of `array`'s addressable buffers lies on stage k's device."""
-    key = ("index", array.sharding, k)
+  def _index(self, array, device) -> int:
+    """Which of `array`'s addressable buffers lies on `device`."""
+    key = ("index", array.sharding, device)
     if key not in self._fns:
-      self._fns[key] = [s.device for s in array.addressable_shards].index(self.devices[k])
+      self._fns[key] = [s.device for s in array.addressable_shards].index(device)
     return self._fns[key]
 
-
-def _leading(tree, device):
-  """`tree` with a leading axis of 1 added, on `device`."""
+def _leading(tree, sharding):
+  """`tree` with a leading axis of 1 added, placed by `sharding`."""
   if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(tree)):
-    return jax.device_put(jax.tree.map(lambda a: a[None], tree), device)
-  return _expand(jax.device_put(tree, device))
+    return jax.device_put(jax.tree.map(lambda a: a[None], tree), sharding)
+  if isinstance(sharding, NamedSharding):  # replicas: [B, ...] split as [1, B, ...] will be
+    inner = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    return _expander(sharding)(jax.device_put(tree, inner))
+  return _expand(jax.device_put(tree, sharding))
 
 
 @jax.jit
 def _expand(tree):
   return jax.tree.map(lambda a: a[None], tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _expander(sharding):
+  return jax.jit(lambda tree: jax.tree.map(lambda a: a[None], tree), out_shardings=sharding)
 
 
 @jax.jit
@@ -418,6 +589,13 @@ def _part(vectors: dict, lengths: dict) -> dict:
       out[kind][n] = vectors[n][offset[n]:offset[n] + L]
       offset[n] += L
   return out
+
+
+def _column(sharding) -> list:
+  """The devices of a stage's state sharding, replica by replica."""
+  if isinstance(sharding, NamedSharding):
+    return list(sharding.mesh.devices.flat)
+  return [next(iter(sharding.device_set))]
 
 
 def _free(tree) -> None:
