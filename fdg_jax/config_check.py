@@ -86,9 +86,6 @@ def validate_fields(config) -> None:
     if config.algorithm != "fdg":
       _fail(f"engine=spmd runs FDG only; use --config.engine=per_stage for "
             f"{config.algorithm}")
-    if config.get("num_replicas", 1) > 1:
-      _fail("engine=spmd takes one device per stage and no replicas; use "
-            "--config.engine=per_stage with num_replicas > 1")
     if config.get("telemetry_every_steps", 0) > 0:
       _fail("engine=spmd has no staleness telemetry; use --config.engine=per_stage or fused")
   workers = config.get("data_workers", 0)
