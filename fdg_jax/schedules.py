@@ -26,9 +26,10 @@ order of ALGORITHMS.md. Three engines run those same functions:
   jitted call on its devices, and messages move between them with the `Placement`
   (`jax.device_put`; shard by shard in a multi-process run). `step` runs one tick, `run`
   runs T ticks from the host.
-- SPMD (FDG, a device per stage, `engine="spmd"`; `fdg_jax.spmd`): T ticks as one program
-  over the K devices, each switching to its own stage's work, messages moving by
-  `ppermute`; the state is kept as padded flat vectors per stage.
+- SPMD (FDG, a device per stage or an (R, K) mesh in one process, `engine="spmd"`;
+  `fdg_jax.spmd`): T ticks as one program over the devices, each switching to its own
+  stage's work, messages moving by `ppermute`, replicas averaging by `pmean`; the state is
+  kept as padded flat vectors per stage (and replica).
 
 Whether a stage forwards or backwards at tick t (warm-up) is known from t: on the host the
 flags are Python booleans and select a compiled variant; inside a program whose ticks may

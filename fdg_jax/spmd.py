@@ -1,12 +1,13 @@
 """The SPMD engine: T ticks of FDG as one program over the stages' devices.
 
-`Schedule(..., engine="spmd")`, one device per stage: `run` is one jitted program,
-`shard_map`ped over a ("stage",) mesh of the K devices. Every device loops over the T
-ticks; at each it runs its own stage's work, chosen by `lax.switch` on its stage index
-among the K stages' `_stage_work` / `_last_work` (the pure functions every engine calls),
-then activations move up and cotangents down with one `lax.ppermute` each. FDG only: its
-stages read only the messages of the previous tick, so a tick is one round of local work
-and one exchange (BP and DDG chain stages within a tick). `step` is `run` with T = 1.
+`Schedule(..., engine="spmd")`, one device per stage (or an (R, K) mesh, below): `run` is
+one jitted program, `shard_map`ped over a ("stage",) mesh of the K devices. Every device
+loops over the T ticks; at each it runs its own stage's work, chosen by `lax.switch` on its
+stage index among the K stages' `_stage_work` / `_last_work` (the pure functions every
+engine calls), then activations move up and cotangents down with one `lax.ppermute` each.
+FDG only: its stages read only the messages of the previous tick, so a tick is one round of
+local work and one exchange (BP and DDG chain stages within a tick). `step` is `run` with
+T = 1.
 
 Stages differ in shapes, while a switch's branches and a shard_map's blocks must agree, so
 a stage's state is held as one flat vector per dtype, padded to the largest stage's size:

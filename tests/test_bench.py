@@ -277,3 +277,19 @@ def test_nested_benchmark_times_every_program(tmp_path):
   np.testing.assert_allclose(np.asarray(switch), np.asarray(top), rtol=1e-5, atol=1e-5)
   loop, scan = (fn(*args) for fn, args in (progs["loop4"], progs["scan4"]))
   np.testing.assert_allclose(np.asarray(scan), np.asarray(loop), rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_times_both_engines_on_a_data_stage_mesh(tmp_path, capsys):
+  out = tmp_path / "dispatch.json"
+  bench.run(bench.parse_args([
+      "dispatch", "--stages", "2", "--replicas", "2", "--algorithms", "bp", "fdg",
+      "--dispatch_ticks", "2", "--repeats", "1", "--paths", "run", "--run_ticks", "2",
+      "--out", str(out)]))
+  with open(out) as f:
+    rows = json.load(f)["dispatch"]
+  assert [(r["algorithm"], r["engine"], r["placement"], r["replicas"]) for r in rows] == [
+      ("bp", "per_stage", "2x2 mesh", 2), ("fdg", "per_stage", "2x2 mesh", 2),
+      ("fdg", "spmd", "2x2 mesh", 2)]  # the SPMD engine runs FDG only; no one-device row
+  assert all(r["batch_size"] == 2 * 8 for r in rows)  # the tiny model's batch per replica
+  assert all(_positive_finite(r["host_time_per_stage_tick_s"]["median"]) for r in rows)
+  assert "| FDG | 2 | run T=2 | 2x2 mesh (spmd) |" in capsys.readouterr().out

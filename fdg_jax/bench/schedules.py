@@ -152,10 +152,32 @@ def placement_for(num_stages: int):
   return None, "1 device"
 
 
+def mesh_for(num_replicas: int, num_stages: int):
+  """An R x K (data, stage) mesh of this process's devices, or None where there are too
+  few."""
+  from fdg_jax.placement import make_mesh
+  if len(_jax().devices()) < num_replicas * num_stages or num_stages < 2:
+    return None
+  return make_mesh(num_replicas, num_stages)
+
+
+def _first_place(where: dict):
+  """Where stage 0's batch lives: its device, its column of the mesh (split along the
+  batch), or the default device."""
+  if where.get("devices"):
+    return where["devices"][0]
+  if where.get("mesh") is not None:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    column = Mesh(where["mesh"].devices[:, 0], ("data",))
+    return NamedSharding(column, PartitionSpec("data"))
+  return None
+
+
 def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="auto",
-                  compiler_options=None):
+                  compiler_options=None, mesh=None):
   import fdg_jax
-  kwargs = {"devices": devices, "engine": engine, "compiler_options": compiler_options}
+  kwargs = {"devices": devices, "engine": engine, "compiler_options": compiler_options,
+            "mesh": mesh}
   if algorithm != "bp":
     kwargs["backward"] = backward
   return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), **kwargs)
@@ -379,7 +401,9 @@ def bench_dispatch(args) -> list[dict]:
   per-stage engine: a jitted call per stage, 2K-1 per tick for BP and DDG, K for FDG, plus
   the moves of the messages; for FDG also the SPMD engine: one program over the K devices
   per call, `step` being `run` with T = 1) and on one device (the fused engine: one
-  program per call).
+  program per call). With --replicas R > 1, on an R x K (data, stage) mesh instead: the
+  per-stage engine (its calls span a stage's R devices) and the SPMD engine (one program
+  over the R x K devices); the batch is the global one, R times --dispatch_batch.
   """
   if args.dispatch_model == "tiny":
     name, kwargs, shape, batch_size = TINY
@@ -390,23 +414,30 @@ def bench_dispatch(args) -> list[dict]:
       kwargs, shape = args.model_kwargs, args.input_shape
     split = args.split
   model = build_model(name, kwargs, shape)
+  R = args.replicas
+  batch_size *= R
   rows, entries = [], []
   for K in args.stages:
     _, stages, params, states = build_stages(model, K, split, batch_size)
-    devices, where = placement_for(K)
-    places = [(devices, where, e) for e in ("per_stage", "spmd") if devices]
-    places.append((None, "1 device", "fused"))
+    if R > 1:
+      mesh = mesh_for(R, K)
+      places = [({"mesh": mesh}, f"{R}x{K} mesh", e) for e in ("per_stage", "spmd") if mesh]
+    else:
+      devices, where = placement_for(K)
+      places = [({"devices": devices}, where, e) for e in ("per_stage", "spmd") if devices]
+      places.append(({}, "1 device", "fused"))
     places = [p for p in places if p[2] in args.engines]
     for path, T in _paths(args):
-      for devs, label, engine in places:
-        batch = random_batch(model, batch_size, devs[0] if devs else None)
+      for where, label, engine in places:
+        batch = random_batch(model, batch_size, _first_place(where))
         for algorithm in args.algorithms:
           if engine == "spmd" and algorithm != "fdg":
             continue  # FDG only
-          schedule = make_schedule(algorithm, stages, devices=devs, engine=engine)
+          schedule = make_schedule(algorithm, stages, engine=engine, **where)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))
           rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
-                       "engine": engine, "path": path, "ticks": args.dispatch_ticks,
+                       "replicas": R, "engine": engine, "path": path,
+                       "ticks": args.dispatch_ticks,
                        "model": model.name, "batch_size": batch_size,
                        "warmup_s": entries[-1]["warmup_s"],
                        "leaves_per_stage": [len(jax_leaves(s)) for s in
@@ -812,6 +843,8 @@ def parse_args(argv=None):
                       help="overhead: XLA options of the schedules' programs, each variant "
                       "timed side by side: 'default' (the platform's) or JSON, e.g. '{}' "
                       "for XLA's own")
+  parser.add_argument("--replicas", type=int, default=1,
+                      help="dispatch: R > 1 times the engines on an R x K (data, stage) mesh")
   parser.add_argument("--engines", nargs="+", default=["per_stage", "spmd", "fused"],
                       choices=("per_stage", "spmd", "fused"),
                       help="dispatch: the engines timed (per_stage and spmd on K devices)")
