@@ -52,6 +52,26 @@ def by_steps(sched, params, states, data):
   return state, trace
 
 
+def by_steps_and_runs(sched, params, states, data, lengths):
+  """Consecutive chunks of `data` of the given lengths over one state: `step` for a chunk
+  of 1, `run` otherwise. Returns (state, `updated` trace, losses: None where no loss)."""
+  state = sched.init(params, states)
+  xs, ys = stacked(data)
+  trace, losses, start = [], [], 0
+  for n in lengths:
+    if n == 1:
+      state, m = sched.step(state, data[start])
+      trace.append([-1 if u is None else int(u) for u in m["updated"]])
+      losses.append(float(m["loss"]) if "loss" in m else None)
+    else:
+      state, m = sched.run(state, (xs[start:start + n], ys[start:start + n]))
+      trace += np.asarray(m["updated"]).tolist()
+      losses += [float(l) if v else None for l, v in zip(np.asarray(m["loss"]),
+                                                          np.asarray(m["valid"]))]
+    start += n
+  return state, trace, losses
+
+
 def by_runs(sched, params, states, data, lengths, pad=0):
   """`run` over consecutive chunks of `data` of the given lengths (buffers padded by `pad`)."""
   state = sched.init(params, states)
@@ -225,19 +245,7 @@ def test_spmd_engine_equals_per_stage_steps(K, kind, beta, backward, optimizer):
     elif how == "step":
       state, trace = by_steps(sched, params, states, data)
     else:  # steps and runs of several lengths over one state
-      state = sched.init(params, states)
-      xs, ys = stacked(data)
-      trace, losses = [], []
-      for start, n in ((0, 3), (3, 1), (4, 5), (9, 1), (10, 3)):
-        if n == 1:
-          state, m = sched.step(state, data[start])
-          trace.append([-1 if u is None else int(u) for u in m["updated"]])
-          losses.append(float(m["loss"]) if "loss" in m else None)
-        else:
-          state, m = sched.run(state, (xs[start:start + n], ys[start:start + n]))
-          trace += np.asarray(m["updated"]).tolist()
-          valid = np.asarray(m["valid"])
-          losses += [float(l) if v else None for l, v in zip(np.asarray(m["loss"]), valid)]
+      state, trace, losses = by_steps_and_runs(sched, params, states, data, (3, 1, 5, 1, 3))
       assert losses == pytest.approx(ref_losses, abs=1e-6), how
     assert trace == ref_trace, how
     got = core_and_stash(sched, state)
@@ -432,19 +440,7 @@ def test_spmd_engine_over_replicas_equals_per_replica_reference(kind, beta, back
   ref_trace = by_steps(ref, params, states, data)[1]
 
   sched = make(stages, mesh=make_mesh(R, K), engine="spmd")
-  state = sched.init(params, states)
-  xs, ys = stacked(data)
-  trace, losses = [], []
-  for start, n in ((0, 4), (4, 1), (5, 6)):
-    if n == 1:
-      state, m = sched.step(state, data[start])
-      trace.append([-1 if u is None else int(u) for u in m["updated"]])
-      losses.append(float(m["loss"]) if "loss" in m else None)
-    else:
-      state, m = sched.run(state, (xs[start:start + n], ys[start:start + n]))
-      trace += np.asarray(m["updated"]).tolist()
-      losses += [float(l) if v else None for l, v in zip(np.asarray(m["loss"]),
-                                                          np.asarray(m["valid"]))]
+  state, trace, losses = by_steps_and_runs(sched, params, states, data, (4, 1, 6))
   assert trace == ref_trace
   assert losses == pytest.approx(ref_losses, abs=1e-6)
   for k in range(K):
