@@ -69,8 +69,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_cpu_devices = 4        # on CPU: devices to create so stages can be placed apart
   c.engine = "auto"            # auto | fused (all stages in one program on one device) |
                                # per_stage (a device per stage) | spmd (FDG: one program
-                               # over a device per stage); auto: fused on CPU, per_stage on
-                               # K accelerators
+                               # over a device per stage, or the replicas x stages mesh);
+                               # auto: fused on CPU, per_stage on K accelerators
   c.ticks_per_call = 32        # ticks run by one schedule.run call (fewer at log, eval and
                                # checkpoint boundaries)
   c.num_replicas = 1           # data-parallel replicas of the pipeline (DP x FDG)

@@ -548,6 +548,7 @@ class Engine:
       self._fns[key] = [s.device for s in array.addressable_shards].index(device)
     return self._fns[key]
 
+
 def _leading(tree, sharding):
   """`tree` with a leading axis of 1 added, placed by `sharding`."""
   if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(tree)):
