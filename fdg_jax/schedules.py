@@ -754,20 +754,6 @@ class Schedule:
     self._act_specs, self._act_shardings, self._cot_shardings = ([None] * K for _ in range(3))
     has_conv = False
 
-    def entry_and_output(k, a):
-      s = self._core_spec(k)
-      args = (s["params"], s["model_state"], a, s["rng"])
-      if self.backward == "stash":
-        _, vjp_spec, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
-        leaves, treedef = jax.tree.flatten(vjp_spec)
-        entry = tuple(leaves)
-      else:
-        entry, treedef = (a,), None
-      self._core_entry_sizes[k] = len(entry)
-      entry = entry + self._telemetry_extras(k, s["params"], a, y_spec)
-      h, _, _ = jax.eval_shape(lambda *z: self._forward(k, *z), *args)
-      return entry, treedef, h
-
     a_spec, a_spec2 = x_spec, doubled(x_spec)
     for k in range(K):
       self._cot_shardings[k] = P.message_shardings(k, a_spec)
@@ -778,8 +764,11 @@ class Schedule:
           s["params"], s["model_state"], a_spec)
       if k == K - 1:
         break
-      entry, self._stash_treedefs[k], h_spec = entry_and_output(k, a_spec)
-      entry2, _, h_spec2 = entry_and_output(k, a_spec2)
+      entry, self._stash_treedefs[k], h_spec = self._entry_and_output(k, a_spec)
+      entry2, _, h_spec2 = self._entry_and_output(k, a_spec2)
+      self._core_entry_sizes[k] = len(entry)
+      entry = entry + self._telemetry_extras(k, s["params"], a_spec, y_spec)
+      entry2 = entry2 + self._telemetry_extras(k, s["params"], a_spec2, y_spec)
 
       def batch_axis(e, e2):
         axis = next((i for i, (m, n) in enumerate(zip(e.shape, e2.shape)) if m != n), None)
@@ -804,6 +793,20 @@ class Schedule:
       if any(lay is not None and any(n.startswith("leaf") for n in lay.names)
              for lay in self._ring_layouts):
         self._ring_layouts = [None] * K  # typed PRNG keys in an entry: rings per leaf
+
+  def _entry_and_output(self, k, a_spec):
+    """Shapes of stage k's stash entry (without telemetry's extras), the vjp's treedef
+    under `stash` (else None) and the stage's output, for an input of shape `a_spec`."""
+    s = self._core_spec(k)
+    args = (s["params"], s["model_state"], a_spec, s["rng"])
+    if self.backward == "stash":
+      _, vjp_spec, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
+      leaves, treedef = jax.tree.flatten(vjp_spec)
+      entry = tuple(leaves)
+    else:
+      entry, treedef = (a_spec,), None
+    h, _, _ = jax.eval_shape(lambda *z: self._forward(k, *z), *args)
+    return entry, treedef, h
 
   def _flat_rings_apply(self) -> bool:
     """Whether the stash rings are kept as one flat buffer per dtype (slot after slot), so

@@ -152,19 +152,9 @@ class Engine:
     local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // R,) + a.shape[1:], a.dtype)
     a, y = local(x), local(y)
     entries, acts, treedefs = [None] * K, [None] * K, [None] * K
-    for k in range(K - 1):
-      c = s._core_spec(k)
-      if s.backward == "stash":
-        _, vjp, _ = jax.eval_shape(lambda p, ms, x_, r, k=k: s._vjp(k, p, ms, x_, r),
-                                   c["params"], c["model_state"], a, c["rng"])
-        leaves, treedefs[k] = jax.tree.flatten(vjp)
-        entries[k] = tuple(leaves)
-      else:
-        entries[k] = (a,)
-      h, _, _ = jax.eval_shape(lambda p, ms, x_, r, k=k: s._forward(k, p, ms, x_, r),
-                               c["params"], c["model_state"], a, c["rng"])
-      acts[k] = (h, y, jax.ShapeDtypeStruct((), jnp.int32))
-      a = h
+    for k in range(K - 1):  # no telemetry's extras: the engine takes no telemetry
+      entries[k], treedefs[k], a = s._entry_and_output(k, a)
+      acts[k] = (a, y, jax.ShapeDtypeStruct((), jnp.int32))
     self._local = entries, acts, treedefs
     return self._local
 
