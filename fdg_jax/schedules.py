@@ -26,7 +26,7 @@ order of ALGORITHMS.md. Three engines run those same functions:
   jitted call on its devices, and messages move between them with the `Placement`
   (`jax.device_put`; shard by shard in a multi-process run). `step` runs one tick, `run`
   runs T ticks from the host.
-- SPMD (FDG, a device per stage or an (R, K) mesh in one process, `engine="spmd"`;
+- SPMD (FDG, a device per stage or an (R, K) mesh, in one process or several, `engine="spmd"`;
   `fdg_jax.spmd`): T ticks as one program over the devices, each switching to its own
   stage's work, messages moving by `ppermute`, replicas averaging by `pmean`; the state is
   kept as padded flat vectors per stage (and replica).
@@ -890,9 +890,10 @@ class Schedule:
     K = self.num_stages
     if self.engine == "spmd":
       t = int(state["tick"])
+      first = self._spmd.put_first(tuple(batch), leading=False)  # global: [1, B, ...]
       state = self._ready(state, jax.tree.map(
-          lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tuple(batch)))
-      state, metrics = self._spmd.step(state, batch)
+          lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), first))
+      state, metrics = self._spmd.step(state, first)
       return {**state, "tick": np.asarray(t + 1, np.int64)}, {**metrics, "tick": t}
     # In a multi-process run `batch` is this process's slice; batch_msg is the global batch.
     batch_msg = self.placement.put_batch(0, tuple(batch))
@@ -951,8 +952,10 @@ class Schedule:
         out["tick"] = _ticks(t0, T, length)
         return {"tick": np.asarray(t0 + T, np.int64), "stages": stages, "inbox": inbox}, out
     if self.engine == "spmd":
-      state = self._ready(state, first)
-      state, out = self._spmd.run(state, xs, ys, T, length)
+      placed = self._spmd.put_first((xs, ys))  # global: in several processes, each its rows
+      state = self._ready(state, jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), placed))
+      state, out = self._spmd.run(state, placed, T, length)
       out["tick"] = _ticks(t0, T, length)
       return {**state, "tick": np.asarray(t0 + T, np.int64)}, out
     return self._run_by_steps(state, xs, ys, T, length)

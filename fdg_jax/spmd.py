@@ -71,13 +71,18 @@ class Engine:
     if R == 1:
       self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
       self._vector_spec, self._batch_spec = P(AXIS), P(AXIS)
-      self._column_shardings = [SingleDeviceSharding(d) for d in self.devices]
+      # One device each: a `SingleDeviceSharding`, or where the stages lie in several
+      # processes the placement's one-device mesh (what multi-process arrays need).
+      self._column_shardings = [
+          s if isinstance(s, NamedSharding) else SingleDeviceSharding(d)
+          for s, d in zip(schedule.placement.state_shardings, self.devices)]
     else:  # device (r, k): replica r's stage k
       grid = np.asarray(self.columns, dtype=object).T
       self.mesh = Mesh(grid, (DATA_AXIS, AXIS))
       self._vector_spec, self._batch_spec = P((DATA_AXIS, AXIS)), P(AXIS, DATA_AXIS)
       self._column_shardings = [NamedSharding(Mesh(np.asarray(c, dtype=object), (DATA_AXIS,)),
                                               P(DATA_AXIS)) for c in self.columns]
+    self._multi = jax.process_count() > 1
     self._layouts = None
     self._local = None
     self._fns: dict = {}
@@ -96,9 +101,6 @@ class Engine:
       raise ValueError("engine='spmd' needs K distinct devices (devices=jax.devices()[:K]), "
                        "or R x K distinct devices in a (data, stage) mesh; on one device "
                        "use engine='fused'")
-    if jax.process_count() > 1:
-      raise ValueError("engine='spmd' runs in one process; a pipeline across processes "
-                       "uses engine='per_stage'")
 
   # ------------------------------------------------------------------ layouts
   def layouts(self):
@@ -202,7 +204,7 @@ class Engine:
         out[kind] = {n: _pad(vec.get(n), L, n) for n, L in lengths[kind].items()}
       return _join(out, lengths)
 
-    fn = jax.jit(stack, out_shardings=SingleDeviceSharding(self.devices[k]))
+    fn = jax.jit(stack, out_shardings=self._column_shardings[k])
     self._fns[key] = fn
     return fn
 
@@ -449,22 +451,42 @@ class Engine:
       flats, lengths, _ = self.layouts()
       R = self.replicas  # replica 0's copy
       self._fns[key] = jax.jit(lambda v: flats[k]["core"].unpack(
-          _part({n: a.reshape(R, -1)[0] for n, a in v.items()}, lengths)["core"]))
+          _part({n: a.reshape(R, -1)[0] for n, a in v.items()}, lengths)["core"]),
+          out_shardings=self.schedule.placement.state_shardings[k])
     return self._fns[key](state["stages"][k]["flat"])
 
   # ------------------------------------------------------------------ run and step
-  def run(self, state, xs, ys, T: int, length: int):
-    """T ticks from `state` over the first T of `length` batches (xs, ys: [length, ...]).
+  def put_first(self, tree, leading: bool = True):
+    """Stage 0's batches as arrays on its devices: `tree`'s leaves [length, B, ...], or
+    with `leading=False` one batch [B, ...], given a leading axis of 1.
+
+    In a multi-process run a process holding stage 0's devices passes its rows of each
+    batch (`Placement.local_batch_slice`), and the others arrays of the global shape
+    (not read), as `Placement.put_batch` takes them."""
+    sharding = self._first_sharding()
+    if not self._multi:
+      return jax.device_put(tree, sharding) if leading else _leading(tree, sharding)
+    def put(a):
+      a = np.asarray(a) if leading else np.asarray(a)[None]
+      if not any(d.process_index == jax.process_index() for d in sharding.device_set):
+        return jax.make_array_from_single_device_arrays(a.shape, sharding, [], dtype=a.dtype)
+      return jax.make_array_from_process_local_data(sharding, a)
+    return jax.tree.map(put, tree)
+
+  def run(self, state, first, T: int, length: int):
+    """T ticks from `state` over the first T of `length` batches (`first`: `put_first`'s).
 
     Returns (state, metrics as `Schedule.run` documents them, but `tick`), the metrics on
-    the last stage's device (replica 0's)."""
-    return self._go(state, jax.device_put((xs, ys), self._first_sharding()), T, length)
+    the last stage's device (replica 0's; over the whole mesh in a multi-process run, so
+    that every process holds them)."""
+    return self._go(state, first, T, length)
 
-  def step(self, state, batch):
-    """One tick, as `run` with T = 1. Returns (state, metrics as `Schedule.step` gives
-    them, but `tick`; every value on the last stage's device)."""
+  def step(self, state, first):
+    """One tick, as `run` with T = 1 (`first`: `put_first(batch, leading=False)`). Returns
+    (state, metrics as `Schedule.step` gives them, but `tick`; every value where `run`
+    leaves its metrics)."""
     s, K, t = self.schedule, self.schedule.num_stages, int(state["tick"])
-    state, out = self._go(state, _leading(tuple(batch), self._first_sharding()), 1, 1)
+    state, out = self._go(state, first, 1, 1)
     metrics, updated = _first_row(out)
     flags = [s._flags(k, t) for k in range(K)]
     updated = tuple(u if f[1] else None for u, f in zip(updated, flags))
@@ -485,8 +507,9 @@ class Engine:
                             self._batch_spec)
     flat, outs = self._program(length)(flat, *batches, np.int32(int(state["tick"])),
                                        np.int32(T))
-    last = self.devices[K - 1]
-    outs = jax.tree.map(lambda a: a.addressable_data(self._index(a, last)), outs)
+    if not self._multi:
+      last = self.devices[K - 1]
+      outs = jax.tree.map(lambda a: a.addressable_data(self._index(a, last)), outs)
     stages = [{"flat": {n: self._column(a, k) for n, a in flat.items()}} for k in range(K)]
     return {**state, "stages": stages}, outs
 
@@ -510,12 +533,14 @@ class Engine:
 
   def _column(self, array, k: int):
     """Stage k's part of a mesh array of vectors, on its device or column."""
-    if self.replicas == 1:
+    if self.replicas == 1 and not self._multi:
       return array.addressable_data(self._index(array, self.devices[k]))
-    shards = [array.addressable_data(self._index(array, d)) for d in self.columns[k]]
-    size = shards[0].shape[0] * self.replicas
-    return jax.make_array_from_single_device_arrays((size,), self._column_shardings[k],
-                                                    shards)
+    mine = {shard.device for shard in array.addressable_shards}
+    shards = [array.addressable_data(self._index(array, d)) for d in self.columns[k]
+              if d in mine]  # none in a process that holds none of the column
+    return jax.make_array_from_single_device_arrays(
+        (array.shape[0] // len(self.columns),), self._column_shardings[k], shards,
+        dtype=array.dtype)
 
   def _zeros_like(self, tree, k: int):
     """Cached zeros shaped like `tree`'s leaves on stage k's devices (the batches' place on
@@ -527,8 +552,10 @@ class Engine:
         sharding = self._column_shardings[k]
       else:
         sharding = NamedSharding(self._column_shardings[k].mesh, P(None, DATA_AXIS))
-      self._fns[key] = jax.tree.map(
-          lambda a: jax.device_put(np.zeros(np.shape(a), a.dtype), sharding), tree)
+      zeros = lambda a: jax.make_array_from_callback(  # each process its own devices'
+          np.shape(a), sharding, lambda index: np.zeros(np.shape(a), a.dtype)[index],
+          dtype=a.dtype)
+      self._fns[key] = jax.tree.map(zeros, tree)
     return self._fns[key]
 
   def _index(self, array, device) -> int:

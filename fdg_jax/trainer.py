@@ -83,7 +83,7 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
   processes, its messages crossing through collectives). Otherwise `engine`: "fused" runs
   every stage in one program on one device; "per_stage" puts stage k on device k (when
   there are K devices, else all on the first); "spmd" (FDG) runs the ticks as one program
-  over K devices, one stage each (with replicas, over the R x K mesh, in one process);
+  over K devices, one stage each (with replicas or processes, over the R x K mesh);
   "auto" is fused on CPU, where forced devices share the host's cores (so stages apart gain
   nothing) and one program per call costs far less host time, and per_stage on K
   accelerators (per_stage with replicas or processes).
@@ -103,9 +103,6 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
           f"processes {idle} hold none of the {need} devices of num_replicas={num_replicas} "
           f"x num_stages={num_stages}; raise num_replicas or num_stages, or start fewer "
           "processes (or give each fewer devices)")
-    if engine == "spmd" and processes > 1:
-      raise ConfigError("engine=spmd runs its program in one process; use "
-                        "--config.engine=per_stage (or auto) across processes")
     return {"mesh": mesh, "engine": "spmd" if engine == "spmd" else "per_stage"}
   if engine == "auto":
     apart = devices[0].platform != "cpu" and len(devices) >= num_stages > 1

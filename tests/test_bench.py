@@ -255,8 +255,9 @@ def test_processes_benchmark_times_a_pipeline_across_two_processes(tmp_path, cap
   assert figures["one_process"]["processes"] == 1
   for run in ("one_process", "two_processes"):
     values = (list(figures[run]["exchange_ms"].values())
+              + list(figures[run]["loop_us"].values())
               + list(figures[run]["tick_ms"].values()))
-    assert len(values) == 6 and all(_positive_finite(v) for v in values)
+    assert len(values) == 10 and all(_positive_finite(v) for v in values)
   assert "ratio" in capsys.readouterr().out
 
 

@@ -33,7 +33,7 @@ NUM_TICKS = 6
 BATCH = 8
 
 
-def train(algorithm, mesh, path="step"):
+def train(algorithm, mesh, path="step", engine="auto"):
   """Trains the K-stage BN toy model on `mesh` (or a list of K devices), each process
   feeding its rows of the batch."""
   import optax
@@ -46,7 +46,7 @@ def train(algorithm, mesh, path="step"):
                                         else mesh.devices.shape[1])
   where = {"devices": mesh} if isinstance(mesh, list) else {"mesh": mesh}
   sched = fdg_jax.create(algorithm, [fdg_jax.Stage(apply=a) for a in applies], loss_fn,
-                         optax.sgd(0.05, 0.9), **where)
+                         optax.sgd(0.05, 0.9), engine=engine, **where)
   state = sched.init(params, states)
   feeds = sched.placement.feeder() is not None
   rows = sched.placement.local_batch_slice(BATCH) if feeds else slice(None)
@@ -58,7 +58,8 @@ def train(algorithm, mesh, path="step"):
     for b in data:
       state, _ = sched.step(state, b)
   values = arrays.fetch((sched.params(state), sched.model_states(state)))
-  return flat(*values, prefix=f"{algorithm}/{path}"), state
+  prefix = f"{algorithm}/{path}" + ("/spmd" if engine == "spmd" else "")
+  return flat(*values, prefix=prefix), state
 
 
 def checkpoint_round_trip(state, directory):
@@ -113,11 +114,16 @@ def worker(out_dir):
         values, state = train(algorithm, m, path)
         results.update(values)
     checkpoint_round_trip(state, os.path.join(out_dir, f"ckpt_{layout}"))
+    for path in ("step", "run"):  # the SPMD engine: one program over the processes' devices
+      values, state = train("fdg", m, path, engine="spmd")
+      results.update(values)
+    checkpoint_round_trip(state, os.path.join(out_dir, f"ckpt_{layout}_spmd"))
     np.savez(os.path.join(out_dir, f"{layout}_{jax.process_index()}.npz"), **results)
   # A device list whose devices lie in different processes: one stage per process.
   devices = [mesh.devices[0, 0], mesh.devices[1, 0]]
   assert devices[0].process_index != devices[1].process_index
   values, _ = train("fdg", devices, "run")
+  values.update(train("fdg", devices, "run", engine="spmd")[0])
   np.savez(os.path.join(out_dir, f"devices_{jax.process_index()}.npz"), **values)
 
 
@@ -137,6 +143,8 @@ def test_two_processes_equal_one_process(tmp_path):
   for algorithm in ALGORITHMS:
     for path in ("step", "run"):
       expected.update(train(algorithm, runtime.make_mesh(2, 2), path)[0])
+  for path in ("step", "run"):
+    expected.update(train("fdg", runtime.make_mesh(2, 2), path, engine="spmd")[0])
   for layout in ("replicas", "pipeline"):
     for process in (0, 1):
       got = np.load(tmp_path / f"{layout}_{process}.npz")
@@ -145,6 +153,8 @@ def test_two_processes_equal_one_process(tmp_path):
         np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0,
                                    err_msg=f"{layout}, process {process}: {name}")
   one_batch = train("fdg", jax.devices()[:1] * 2, "run")[0]  # R=1: one replica's batch
+  for name, value in train("fdg", jax.devices()[:1] * 2, "run")[0].items():
+    one_batch[name.replace("fdg/run/", "fdg/run/spmd/", 1)] = value  # SPMD against fused
   for process in (0, 1):
     got = np.load(tmp_path / f"devices_{process}.npz")
     assert sorted(got.files) == sorted(one_batch)

@@ -349,18 +349,21 @@ def test_two_processes_train_like_one(tmp_path):
   assert len(_ends_alike(tmp_path / "multi", single)) == 1
 
 
-def test_pipeline_across_processes_trains_and_resumes_like_one_process(tmp_path):
+@pytest.mark.parametrize("engine", ["auto", "spmd"])
+def test_pipeline_across_processes_trains_and_resumes_like_one_process(tmp_path, engine):
   """train.py under `python -m fdg_jax.launch --num-processes 2 --cpu-devices 1`, K=2, R=1:
   stage 0 in one process, stage 1 in the other (every message crosses the processes, the
   checkpoints hold arrays each process owns alone). Stopped at step 20 (checkpointed)
   and resumed, it ends where the run of the same config on 2 devices of one process ends.
+  `auto` is the per-stage engine there (a collective per message); `spmd` runs the ticks
+  as one program over both processes' devices.
   """
-  c = _dp_config(num_replicas=1, algorithm="fdg")
+  c = _dp_config(num_replicas=1, algorithm="fdg", engine=engine)
   c.checkpoint_every_steps = 10
   single = trainer.train_and_evaluate(c, str(tmp_path / "single"))
-  every = "--config.checkpoint_every_steps=10"
-  _launch_train(tmp_path / "multi", 1, 1, every, "--config.max_steps=20")
-  p = _launch_train(tmp_path / "multi", 1, 1, every)
+  every = ["--config.checkpoint_every_steps=10", f"--config.engine={engine}"]
+  _launch_train(tmp_path / "multi", 1, 1, *every, "--config.max_steps=20")
+  p = _launch_train(tmp_path / "multi", 1, 1, *every)
   assert "[0] resumed from step 20" in p.stdout and "[1] resumed from step 20" in p.stdout
   _ends_alike(tmp_path / "multi", single)
 

@@ -9,8 +9,14 @@ process with two devices, and prints:
   exchange   ms per message moved from process 0's device to process 1's
              (`placement.exchange`, a two-sided ppermute program), per message size,
              against `jax.device_put` between two devices of one process;
+  loop       µs per round of a device loop over both devices that moves a 32 KB block up
+             and another down with `lax.ppermute` (the SPMD engine's exchange), against
+             the same loop without the moves;
   tick       ms per FDG K=2 tick of an MLP (`--width`, 8 blocks, digits' shapes) through
-             `step` and through `run`, stages in two processes vs two devices of one process.
+             `step` and through `run`, stages in two processes vs two devices of one process,
+             under the per-stage engine (a collective per message crossing) and the SPMD
+             engine (`spmd step`, `spmd run`: the ticks as one program over both devices,
+             the messages moved by `ppermute` inside it).
 
 Both runs use one device per stage, so the difference is the cost of crossing processes
 (the collective and its rendezvous) and of each process driving its stage only.
@@ -68,7 +74,36 @@ def _exchange_ms(src, dst, repeats: int, count: int = 20) -> dict:
   return out
 
 
-def _tick_ms(args, devices) -> dict:
+def _loop_us(devices, repeats: int, rounds: int = 200) -> dict:
+  """µs per round of a `fori_loop` over `devices` (a 2-device mesh) whose body moves a
+  32 KB float32 block up and another down with `lax.ppermute`, and without the moves."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.asarray(devices, dtype=object), ("stage",))
+  block = 32 * 256  # a [32, 256] float32 activation
+
+  def program(moves: bool):
+    def body(_, x):
+      if not moves:
+        return x * 1.0001 + 1
+      up = jax.lax.ppermute(x, "stage", [(0, 1)])
+      down = jax.lax.ppermute(x * 2, "stage", [(1, 0)])
+      return up + down + 1
+    return jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, rounds, body, x), mesh=mesh,
+                                 in_specs=P("stage"), out_specs=P("stage")))
+
+  x = jax.make_array_from_callback((2 * block,), NamedSharding(mesh, P("stage")),
+                                   lambda index: np.ones(block, np.float32), dtype=np.float32)
+  out = {}
+  for name, moves in (("ppermute", True), ("none", False)):
+    fn = program(moves)
+    jax.block_until_ready(fn(x))
+    out[name] = 1e6 * _best(lambda: jax.block_until_ready(fn(x)), repeats) / rounds
+  return out
+
+
+def _tick_ms(args, devices, engine: str) -> dict:
   """ms per FDG K=2 tick (MLP of 8 blocks) through `step` and `run`, stage k on devices[k]."""
   import jax
   import numpy as np
@@ -83,7 +118,7 @@ def _tick_ms(args, devices) -> dict:
   stages = partition.stages_from_boundaries(model, bounds)
   params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x1)
   schedule = fdg_jax.fdg(stages, optax_loss, optax.sgd(0.01, 0.9), devices=devices,
-                         engine="per_stage")
+                         engine=engine)
   B, T = args.batch_size, args.ticks
   feeds = schedule.placement.feeder() is not None
   rows = schedule.placement.local_batch_slice(B) if feeds else slice(None)
@@ -121,7 +156,12 @@ def worker(args) -> None:
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:2]
   result = {"processes": jax.process_count(),
             "exchange_ms": _exchange_ms(devices[0], devices[1], args.repeats),
-            "tick_ms": _tick_ms(args, devices)}
+            "loop_us": _loop_us(devices, args.repeats),
+            "tick_ms": {}}
+  for engine in ("per_stage", "spmd"):
+    times = _tick_ms(args, devices, engine)
+    prefix = "" if engine == "per_stage" else "spmd "
+    result["tick_ms"].update({prefix + path: ms for path, ms in times.items()})
   if jax.process_index() == 0:
     print(MARK + json.dumps(result), flush=True)
 
@@ -153,8 +193,12 @@ def main(argv=None) -> dict:
   for kb in SIZES_KB:
     a, b = one["exchange_ms"][str(kb)], two["exchange_ms"][str(kb)]
     print(f"{kb:>7} KB {a:>8.3f} ms {b:>9.3f} ms")
+  print(f"{'loop':>10} {'1 process':>11} {'2 processes':>12}")
+  for name in ("ppermute", "none"):
+    a, b = one["loop_us"][name], two["loop_us"][name]
+    print(f"{name:>10} {a:>8.1f} µs {b:>9.1f} µs")
   print(f"{'tick':>10} {'1 process':>11} {'2 processes':>12} {'ratio':>7}")
-  for path in ("step", "run"):
+  for path in one["tick_ms"]:
     a, b = one["tick_ms"][path], two["tick_ms"][path]
     print(f"{path:>10} {a:>8.3f} ms {b:>9.3f} ms {b / a:>6.2f}x")
   figures = {"one_process": one, "two_processes": two, "args": vars(args)}
