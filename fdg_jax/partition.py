@@ -19,6 +19,7 @@ of the stage's training forward, the entry the schedules keep per delayed batch.
 from __future__ import annotations
 
 import bisect
+import math
 import dataclasses
 import statistics
 import time
@@ -30,7 +31,7 @@ import numpy as np
 
 from fdg_jax.models import BlockRange, Model
 from fdg_jax.delays import ring_heads_default, slots_held
-from fdg_jax.stages import Stage, training_vjp
+from fdg_jax.stages import Residuals, Stage, training_vjp
 
 PyTree = Any
 SPLITS = ("uniform", "balanced", "paper")
@@ -328,13 +329,8 @@ def stage_structs(stage: Stage, x) -> tuple[PyTree, PyTree, jax.ShapeDtypeStruct
 def residual_bytes(stage: Stage, x) -> int:
   """Bytes of one stash slot of `stage` on input batch `x` (its training vjp's residuals)."""
   p, s, _ = stage_structs(stage, x)
-
-  def residuals(p, s, x):
-    _, vjp_fn, _ = training_vjp(stage, p, s, x, jax.random.key(0))
-    return jax.tree.leaves(vjp_fn)
-
-  leaves = jax.eval_shape(residuals, p, s, _struct(x))
-  return int(sum(a.size * a.dtype.itemsize for a in leaves))
+  leaves, _ = Residuals.trace(stage, p, s, _struct(x), jax.random.key(0))
+  return int(sum(math.prod(a.shape) * a.dtype.itemsize for a in leaves))
 
 
 def _tick_fn(stage):

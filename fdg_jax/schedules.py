@@ -9,7 +9,8 @@ Design. The network is K stages (`fdg_jax.Stage`). Each stage k has its own stat
     pushes, pops: int32 counters; the next slot written is pushes % D_k, read pops % D_k.
 
 A stash entry is, under `backward="stash"`, the residuals of `jax.vjp` of the stage's forward
-(so the delayed backward is exactly the gradient at the weights that forward used), and under
+(so the delayed backward is exactly the gradient at the weights that forward used; constants
+the vjp closes over are rebuilt rather than stored, `stages.Residuals`), and under
 `backward="recompute"` only the stage input and its RNG key (the backward re-runs the vjp with
 the current weights).
 
@@ -65,7 +66,7 @@ from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
 from fdg_jax import spmd as spmd_lib
 from fdg_jax import staleness as staleness_lib
-from fdg_jax.stages import Stage, training_vjp
+from fdg_jax.stages import Residuals, Stage, training_vjp
 
 PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
@@ -194,7 +195,7 @@ class Schedule:
     self.ring_heads = bool(ring_heads)
     self._core_layouts: list = [None] * self.num_stages
     self._stash_axes: list = [None] * self.num_stages
-    self._stash_treedefs: list = [None] * self.num_stages
+    self._stash_residuals: list = [None] * self.num_stages  # `stages.Residuals`
     self._batch_spec = None
     self._has_conv = None
     self._metrics_shapes = None
@@ -297,7 +298,11 @@ class Schedule:
     """Stage k's training forward. Returns (y, new model state, stash entry)."""
     if self.backward == "stash":
       y, vjp_fn, new_state = self._vjp(k, params, model_state, x, rng)
+      # The vjp's residuals but its constants (`Residuals`), known once the schedule is
+      # prepared.
+      residuals = self._stash_residuals[k]
       entry = tuple(jax.tree.leaves(vjp_fn))
+      entry = residuals.stored(entry) if residuals is not None else entry
     else:
       y, new_state = self.stages[k].apply(params, model_state, x, train=True, rng=rng)
       entry = (x,)  # the key is rebuilt from the batch index (see `_stage_key`)
@@ -309,7 +314,7 @@ class Schedule:
     `rng` is the key the forward used (needed only to recompute it)."""
     entry = entry[:self._core_entry_sizes[k]]  # without the telemetry's extras
     if self.backward == "stash":
-      vjp_fn = jax.tree.unflatten(self._stash_treedefs[k], list(entry))
+      vjp_fn = self._stash_residuals[k].vjp_fn(entry)
     else:
       x, = entry
       _, vjp_fn, _ = self._vjp(k, params, model_state, x, rng)
@@ -764,7 +769,7 @@ class Schedule:
           s["params"], s["model_state"], a_spec)
       if k == K - 1:
         break
-      entry, self._stash_treedefs[k], h_spec = self._entry_and_output(k, a_spec)
+      entry, self._stash_residuals[k], h_spec = self._entry_and_output(k, a_spec)
       entry2, _, h_spec2 = self._entry_and_output(k, a_spec2)
       self._core_entry_sizes[k] = len(entry)
       entry = entry + self._telemetry_extras(k, s["params"], a_spec, y_spec)
@@ -795,18 +800,17 @@ class Schedule:
         self._ring_layouts = [None] * K  # typed PRNG keys in an entry: rings per leaf
 
   def _entry_and_output(self, k, a_spec):
-    """Shapes of stage k's stash entry (without telemetry's extras), the vjp's treedef
-    under `stash` (else None) and the stage's output, for an input of shape `a_spec`."""
+    """Shapes of stage k's stash entry (without telemetry's extras), how the entry holds the
+    vjp's residuals under `stash` (a `stages.Residuals`, else None) and the stage's output,
+    for an input of shape `a_spec`."""
     s = self._core_spec(k)
     args = (s["params"], s["model_state"], a_spec, s["rng"])
     if self.backward == "stash":
-      _, vjp_spec, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
-      leaves, treedef = jax.tree.flatten(vjp_spec)
-      entry = tuple(leaves)
+      entry, residuals = Residuals.trace(self.stages[k], *args)
     else:
-      entry, treedef = (a_spec,), None
-    h, _, _ = jax.eval_shape(lambda *z: self._forward(k, *z), *args)
-    return entry, treedef, h
+      entry, residuals = (a_spec,), None
+    h, _, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
+    return entry, residuals, h
 
   def _flat_rings_apply(self) -> bool:
     """Whether the stash rings are kept as one flat buffer per dtype (slot after slot), so

@@ -142,22 +142,22 @@ class Engine:
 
   def local_specs(self):
     """Per stage, what one device of the program holds: (stash entry specs, outgoing
-    activation message specs, the stash's vjp treedefs). With one replica, the schedule's
+    activation message specs, the stash's `stages.Residuals`). With one replica, the schedule's
     own; with R, those of a B/R batch (traced: the vjp's structure, e.g. the cotangent
     shapes it checks, follows the batch)."""
     s, K, R = self.schedule, self.schedule.num_stages, self.replicas
     if R == 1:
-      return s._entry_specs, s._act_specs, s._stash_treedefs
+      return s._entry_specs, s._act_specs, s._stash_residuals
     if self._local is not None:
       return self._local
     x, y = s._batch_spec  # a multiple of R (`Schedule._prepare`)
     local = lambda a: jax.ShapeDtypeStruct((a.shape[0] // R,) + a.shape[1:], a.dtype)
     a, y = local(x), local(y)
-    entries, acts, treedefs = [None] * K, [None] * K, [None] * K
+    entries, acts, residuals = [None] * K, [None] * K, [None] * K
     for k in range(K - 1):  # no telemetry's extras: the engine takes no telemetry
-      entries[k], treedefs[k], a = s._entry_and_output(k, a)
+      entries[k], residuals[k], a = s._entry_and_output(k, a)
       acts[k] = (a, y, jax.ShapeDtypeStruct((), jnp.int32))
-    self._local = entries, acts, treedefs
+    self._local = entries, acts, residuals
     return self._local
 
   def _tables(self) -> dict:
@@ -416,12 +416,12 @@ class Engine:
     s = self.schedule
 
     def traced(*args):
-      saved = s._data_axis, s._stash_treedefs
-      s._data_axis, s._stash_treedefs = DATA_AXIS, list(self.local_specs()[2])
+      saved = s._data_axis, s._stash_residuals
+      s._data_axis, s._stash_residuals = DATA_AXIS, list(self.local_specs()[2])
       try:
         return fn(*args)
       finally:
-        s._data_axis, s._stash_treedefs = saved
+        s._data_axis, s._stash_residuals = saved
 
     return traced
 

@@ -19,6 +19,7 @@ import numbers
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 PyTree = Any
 
@@ -218,6 +219,85 @@ def training_vjp(stage: Stage, params, model_state, x, rng):
     return stage.apply(p, ms, a, train=True, rng=r)
 
   return jax.vjp(f, params, x, (model_state, rng), has_aux=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+  """How a stash slot holds a stage's vjp residuals (the leaves of `training_vjp`'s vjp_fn).
+
+  Some residuals are constants that the vjp closes over rather than values of the forward:
+  `jax.nn.relu`'s vjp, for one, keeps an all-zeros array of its activation's shape (the
+  "else" branch of its select). A slot stores the others only, and the backward rebuilds
+  the constants (`fills`) as broadcasts that XLA fuses into their uses: no memory per slot
+  and no copy per tick for them.
+
+  Attributes:
+    treedef: the vjp_fn's pytree structure.
+    fills: (leaf index, shape, dtype, scalar value) of each constant leaf.
+  """
+
+  treedef: Any
+  fills: tuple = ()
+
+  @classmethod
+  def trace(cls, stage: Stage, params, model_state, x, rng) -> tuple[tuple, "Residuals"]:
+    """(shapes of the leaves a slot stores, the structure), for these shapes (abstract
+    values are fine)."""
+    fn = lambda *a: jax.tree.leaves(training_vjp(stage, *a)[1])
+    closed, leaves = jax.make_jaxpr(fn, return_shape=True)(params, model_state, x, rng)
+    _, vjp_spec, _ = jax.eval_shape(lambda *a: training_vjp(stage, *a), params, model_state,
+                                    x, rng)
+    fills = tuple((i, tuple(a.shape), a.dtype, value)
+                  for i, (a, value) in enumerate(zip(leaves, _fill_values(closed.jaxpr)))
+                  if value is not None)
+    out = cls(jax.tree.structure(vjp_spec), fills)
+    return out.stored(leaves), out
+
+  def stored(self, leaves) -> tuple:
+    """The leaves a slot stores, of all the vjp_fn's `leaves`."""
+    skip = {i for i, *_ in self.fills}
+    return tuple(a for i, a in enumerate(leaves) if i not in skip)
+
+  def vjp_fn(self, stored) -> Callable:
+    """The vjp_fn rebuilt from a slot's leaves (`stored`) and the constants."""
+    import jax.numpy as jnp
+    leaves, rest = [], iter(stored)
+    fills = {i: f for i, *f in self.fills}
+    for i in range(self.treedef.num_leaves):
+      if i in fills:
+        shape, dtype, value = fills[i]
+        leaves.append(jnp.full(shape, value, dtype))
+      else:
+        leaves.append(next(rest))
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+# Primitives that call a jaxpr once, its outputs theirs (unlike a loop's or a cond's).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
+
+
+def _fill_values(jaxpr) -> list:
+  """Per output of `jaxpr`, the scalar it is a broadcast of, where it is one (a literal
+  broadcast, directly or from inside a nested call such as `jit`), else None."""
+  from jax.extend.core import Literal
+  producer = {id(v): (eqn, j) for eqn in jaxpr.eqns for j, v in enumerate(eqn.outvars)}
+
+  def value(v):
+    if isinstance(v, Literal):
+      return v.val if np.ndim(v.val) == 0 else None
+    if id(v) not in producer:
+      return None  # an input of the jaxpr
+    eqn, j = producer[id(v)]
+    if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], Literal):
+      return eqn.invars[0].val if np.ndim(eqn.invars[0].val) == 0 else None
+    inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
+    if inner is not None:
+      inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+      if len(inner.outvars) == len(eqn.outvars):
+        return _fill_values(inner)[j]
+    return None
+
+  return [value(v) for v in jaxpr.outvars]
 
 
 def init_stages(stages: Sequence[Stage], rng: jax.Array, x: PyTree):

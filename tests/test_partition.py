@@ -232,11 +232,19 @@ def test_stash_bytes():
                                                                       default)
   # A slot holds at least the stage input (a conv's backward needs it) and the weights.
   assert slots[0] >= x.size * 4 + (3 * 3 * 3 * 4 + 4) * 4
-  # Independent count: the residual leaves of a concrete vjp of the first stage.
+  # Independent count: the residual leaves of concrete vjps of the first stage at two
+  # inputs, but those equal at both and constant (ReLU's vjp keeps an array of zeros, which
+  # a slot does not store: `stages.Residuals`).
   st = partition.split(m, 4, bounds)[0]
   p, s = st.init(jax.random.key(0), x)
-  _, vjp_fn = jax.vjp(lambda p, x: st.apply(p, s, x, train=True)[0], p, x)
-  assert slots[0] == sum(a.nbytes for a in jax.tree.leaves(vjp_fn))
+  residuals = [jax.tree.leaves(jax.jit(lambda p, x: jax.vjp(
+      lambda p, x: st.apply(p, s, x, train=True)[0], p, x)[1])(p, x + shift))
+               for shift in (jax.random.normal(jax.random.key(i), x.shape) for i in (1, 2))]
+  residuals = [[np.asarray(a) for a in leaves] for leaves in residuals]
+  constant = [np.array_equal(a, b) and np.all(a == a.flat[0]) for a, b in zip(*residuals)]
+  assert sum(constant) == 1  # the ReLU of its one block
+  assert slots[0] == sum(a.nbytes for a, c in zip(residuals[0], constant) if not c)
+  assert slots[0] < sum(a.nbytes for a in residuals[0])
 
 
 def test_split_tree_round_trip():
@@ -310,3 +318,43 @@ def test_summary_bad_arguments(capsys, argv, match):
   assert summary_main(argv) == 2
   err = capsys.readouterr().err
   assert match in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet20"])
+def test_residuals_store_all_but_constants(name):
+  """`stages.Residuals`: a slot keeps every vjp residual but constants (those equal at two
+  inputs and uniform; every one of the batch's size, e.g. ReLU's zeros, is left out), and
+  the vjp rebuilt from it gives the gradients bit for bit."""
+  from fdg_jax.stages import Residuals, training_vjp
+  m = models.create(name, **({"widths": (16, 16), "input_shape": (4, 4, 1)}
+                             if name == "mlp" else {}))
+  spec = m.example_input(2)
+  x = jnp.zeros(spec.shape, spec.dtype)
+  st = partition.split(m, 2, partition.boundaries(m, 2, "uniform", example_input=x))[0]
+  p, s = st.init(jax.random.key(0), x)
+  key = jax.random.PRNGKey(0)
+  stored, res = Residuals.trace(st, p, s, x, key)
+  leaves_at = jax.jit(lambda p, x: jax.tree.leaves(training_vjp(st, p, s, x, key)[1]))
+  inputs = [(jax.tree.map(lambda a, i=i: a + 0.1 * jax.random.normal(jax.random.key(i),
+                                                                      a.shape), p),
+             jax.random.normal(jax.random.key(i), x.shape)) for i in (1, 2)]
+  a, b = ([np.asarray(v) for v in leaves_at(*args)] for args in inputs)
+  constant = [i for i, (u, v) in enumerate(zip(a, b))
+              if np.array_equal(u, v) and np.all(u == u.flat[0])]
+  fills = [i for i, *_ in res.fills]
+  assert fills and set(fills) <= set(constant)  # one per ReLU at least
+  # What stays stored of the constants is small: none has the batch's size (BatchNorm's
+  # vjp keeps a few per-channel ones, computed rather than broadcast).
+  assert all(a[i].shape[:1] != (2,) for i in set(constant) - set(fills))
+  assert [(t.shape, t.dtype) for t in stored] == [
+      (u.shape, u.dtype) for i, u in enumerate(a) if i not in fills]
+  # The constants rebuilt are the vjp's own, leaf for leaf.
+  full = jax.jit(lambda l: jax.tree.leaves(res.vjp_fn(l)))(res.stored(leaves_at(*inputs[0])))
+  for u, v in zip(a, full):
+    np.testing.assert_array_equal(u, v)
+  y = jax.eval_shape(lambda x: training_vjp(st, p, s, x, key)[0], x)
+  ct = jax.random.normal(jax.random.key(3), y.shape, y.dtype)
+  whole = jax.jit(lambda l: jax.tree.unflatten(res.treedef, l)(ct))(leaves_at(*inputs[0]))
+  rebuilt = jax.jit(lambda l: res.vjp_fn(l)(ct))(res.stored(leaves_at(*inputs[0])))
+  for u, v in zip(jax.tree.leaves(whole), jax.tree.leaves(rebuilt)):
+    np.testing.assert_array_equal(u, v)

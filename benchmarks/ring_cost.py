@@ -1,0 +1,156 @@
+"""What FDG's stash ring costs per tick, by ablation (one device, the fused engine's `run`).
+
+    python benchmarks/ring_cost.py [--repeats 9] [--ticks 64] [--batch_size 32]
+
+Times, side by side and interleaved (`fdg_jax.bench.schedules.time_interleaved`), the
+quick-start MLP (4x128, digits' shapes) as BP K=1, BP K=4 and FDG K=4 (`stash`, T = 32 ticks
+per call), and FDG K=4 compiled with parts of the ring's work taken out:
+
+  no ring write        the entry a forward stashes is not written to the ring at all
+  unmasked write       written without the warm-up mask (no select against the old slot)
+  largest leaf zeroed  written, but the largest leaf of each entry (a Dense layer's weights,
+                       which a slot keeps for the delayed backward) replaced by zeros: the
+                       same writes, without reading the parameters
+  largest leaf unwritten  every leaf of the entry written but that one
+  static read          the slot read at a fixed offset instead of pops % D
+  constants stored     every residual of the vjp stored, the constants too (as before
+                       `stages.Residuals`: ReLU's vjp keeps an array of zeros per layer);
+                       this variant computes the right gradients
+
+Those variants compute wrong gradients: they exist only to time what each part of the ring
+costs; nothing else uses them. Prints µs per sample and the ratio to BP K=1 (median
+[min, max] of the per-repetition ratios); `--out` also writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import numpy as np
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--repeats", type=int, default=9)
+  p.add_argument("--ticks", type=int, default=64, help="timed ticks per repetition")
+  p.add_argument("--run_ticks", type=int, default=32, help="T, ticks per `run` call")
+  p.add_argument("--batch_size", type=int, default=32)
+  p.add_argument("--out", default=None)
+  return p.parse_args(argv)
+
+
+def _no_write(self, k, ring, slot, entry, flag):
+  return ring
+
+
+def _unmasked_write(self, k, ring, slot, entry, flag):
+  return ORIGINAL["_ring_store"](self, k, ring, slot, entry, True)
+
+
+def _largest_leaf_zeroed(self, k, ring, slot, entry, flag):
+  import jax.numpy as jnp
+  sizes = [int(np.prod(np.shape(leaf))) for leaf in entry]
+  largest = int(np.argmax(sizes))
+  entry = tuple(jnp.zeros_like(leaf) if i == largest else leaf for i, leaf in enumerate(entry))
+  return ORIGINAL["_ring_store"](self, k, ring, slot, entry, flag)
+
+
+def _largest_leaf_unwritten(self, k, ring, slot, entry, flag):
+  import jax
+  import jax.numpy as jnp
+  lay = self._ring_layouts[k]
+  sizes = [int(np.prod(np.shape(leaf))) for leaf in entry]
+  largest = int(np.argmax(sizes))
+  ring = dict(ring)
+  for name, idx in lay.groups:  # `Layout.write`, one leaf left out
+    for i in idx:
+      if i == largest:
+        continue
+      start = (slot * lay.sizes[name] + lay.offsets[i],)
+      new = jnp.ravel(entry[i]).astype(ring[name].dtype)
+      new = jnp.where(flag, new, jax.lax.dynamic_slice(ring[name], start, new.shape))
+      ring[name] = jax.lax.dynamic_update_slice(ring[name], new, start)
+  return ring
+
+
+def _constants_stored(self, k, a_spec):
+  import jax
+  from fdg_jax.stages import Residuals
+  entry, residuals, h = ORIGINAL["_entry_and_output"](self, k, a_spec)
+  if residuals is None or not residuals.fills:
+    return entry, residuals, h
+  fills, rest, full = {i: (shape, dtype) for i, shape, dtype, _ in residuals.fills}, \
+      iter(entry), []
+  for i in range(residuals.treedef.num_leaves):
+    full.append(jax.ShapeDtypeStruct(*fills[i]) if i in fills else next(rest))
+  return tuple(full), Residuals(residuals.treedef), h
+
+
+def _static_read(self, k, ring, slot):
+  return ORIGINAL["_ring_load"](self, k, ring, 0)
+
+
+ORIGINAL: dict = {}
+VARIANTS = {
+    "no ring write": {"_ring_store": _no_write},
+    "unmasked write": {"_ring_store": _unmasked_write},
+    "largest leaf zeroed": {"_ring_store": _largest_leaf_zeroed},
+    "largest leaf unwritten": {"_ring_store": _largest_leaf_unwritten},
+    "static read": {"_ring_load": _static_read},
+    "constants stored": {"_entry_and_output": _constants_stored},
+}
+
+
+@contextlib.contextmanager
+def patched(methods: dict):
+  """`Schedule` with `methods` replaced while a schedule is built and compiled."""
+  from fdg_jax.schedules import Schedule
+  for name in ("_ring_store", "_ring_load", "_entry_and_output"):
+    ORIGINAL.setdefault(name, getattr(Schedule, name))
+  try:
+    for name, fn in methods.items():
+      setattr(Schedule, name, fn)
+    yield
+  finally:
+    for name, fn in ORIGINAL.items():
+      setattr(Schedule, name, fn)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  from fdg_jax.bench import schedules as B
+  model = B.build_model("mlp", {"widths": [128] * 4}, (8, 8, 1))
+  one, four = (B.build_stages(model, K, "uniform", args.batch_size)[1:] for K in (1, 4))
+  batch = B.random_batch(model, args.batch_size)
+  configs = [("BP K=1", "bp", one, {}), ("BP K=4", "bp", four, {}), ("FDG K=4", "fdg", four, {})]
+  configs += [(f"FDG K=4, {name}", "fdg", four, methods) for name, methods in VARIANTS.items()]
+  entries = []
+  for _, algorithm, (stages, params, states), methods in configs:
+    with patched(methods):  # compiled here, so the program keeps the variant
+      entries.append(B.prepare(B.make_schedule(algorithm, stages), params, states, batch,
+                               run_ticks=args.run_ticks))
+  times = B.time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
+  base = np.asarray(times[0]["step"])
+  rows = []
+  print(f"quick-start MLP, batch {args.batch_size}, run T={args.run_ticks}, "
+        f"{args.repeats} interleaved repetitions of {args.ticks} ticks")
+  print(f"{'configuration':34s} {'µs/sample':>9s}  × BP K=1, median [min, max]")
+  for (name, *_), t in zip(configs, times):
+    step = np.asarray(t["step"])
+    ratio = step / base
+    rows.append({"configuration": name, "us_per_sample": 1e6 * float(np.median(step))
+                 / args.batch_size, "ratio": [float(np.median(ratio)), float(ratio.min()),
+                                              float(ratio.max())]})
+    print(f"{name:34s} {rows[-1]['us_per_sample']:9.2f}  {rows[-1]['ratio'][0]:.3f} "
+          f"[{ratio.min():.3f}, {ratio.max():.3f}]")
+  figures = {"args": vars(args), "device": B.device_info(), "rows": rows}
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(figures, f, indent=1)
+  return figures
+
+
+if __name__ == "__main__":
+  main()
