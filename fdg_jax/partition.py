@@ -19,8 +19,8 @@ of the stage's training forward, the entry the schedules keep per delayed batch.
 from __future__ import annotations
 
 import bisect
-import math
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any, Sequence
@@ -329,7 +329,7 @@ def stage_structs(stage: Stage, x) -> tuple[PyTree, PyTree, jax.ShapeDtypeStruct
 def residual_bytes(stage: Stage, x) -> int:
   """Bytes of one stash slot of `stage` on input batch `x` (its training vjp's residuals)."""
   p, s, _ = stage_structs(stage, x)
-  leaves, _ = Residuals.trace(stage, p, s, _struct(x), jax.random.key(0))
+  leaves, _, _ = Residuals.trace(stage, p, s, _struct(x), jax.random.key(0))
   return int(sum(math.prod(a.shape) * a.dtype.itemsize for a in leaves))
 
 

@@ -806,11 +806,9 @@ class Schedule:
     s = self._core_spec(k)
     args = (s["params"], s["model_state"], a_spec, s["rng"])
     if self.backward == "stash":
-      entry, residuals = Residuals.trace(self.stages[k], *args)
-    else:
-      entry, residuals = (a_spec,), None
+      return Residuals.trace(self.stages[k], *args)
     h, _, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
-    return entry, residuals, h
+    return (a_spec,), None, h
 
   def _flat_rings_apply(self) -> bool:
     """Whether the stash rings are kept as one flat buffer per dtype (slot after slot), so

@@ -481,28 +481,6 @@ class Engine:
     Returns (state, metrics as `Schedule.run` documents them, but `tick`), the metrics on
     the last stage's device (replica 0's; over the whole mesh in a multi-process run, so
     that every process holds them)."""
-    return self._go(state, first, T, length)
-
-  def step(self, state, first):
-    """One tick, as `run` with T = 1 (`first`: `put_first(batch, leading=False)`). Returns
-    (state, metrics as `Schedule.step` gives them, but `tick`; every value where `run`
-    leaves its metrics)."""
-    s, K, t = self.schedule, self.schedule.num_stages, int(state["tick"])
-    state, out = self._go(state, first, 1, 1)
-    metrics, updated = _first_row(out)
-    flags = [s._flags(k, t) for k in range(K)]
-    updated = tuple(u if f[1] else None for u, f in zip(updated, flags))
-    return state, {**(metrics if flags[K - 1][0] else {}), "updated": updated}
-
-  def _first_sharding(self):
-    """Where stage 0's [length, B, ...] batches go: its device, or its column of replicas,
-    split along the batch axis."""
-    if self.replicas == 1:
-      return self._column_shardings[0]
-    return NamedSharding(self._column_shardings[0].mesh, P(None, DATA_AXIS))
-
-  def _go(self, state, first, T: int, length: int):
-    """`run` given stage 0's [length, ...] batches on its devices."""
     K = self.schedule.num_stages
     flat = self._on_mesh([s["flat"] for s in state["stages"]], self._vector_spec)
     batches = self._on_mesh([first] + [self._zeros_like(first, k) for k in range(1, K)],
@@ -514,6 +492,24 @@ class Engine:
       outs = jax.tree.map(lambda a: a.addressable_data(self._index(a, last)), outs)
     stages = [{"flat": {n: self._column(a, k) for n, a in flat.items()}} for k in range(K)]
     return {**state, "stages": stages}, outs
+
+  def step(self, state, first):
+    """One tick, as `run` with T = 1 (`first`: `put_first(batch, leading=False)`). Returns
+    (state, metrics as `Schedule.step` gives them, but `tick`; every value where `run`
+    leaves its metrics)."""
+    s, K, t = self.schedule, self.schedule.num_stages, int(state["tick"])
+    state, out = self.run(state, first, 1, 1)
+    metrics, updated = _first_row(out)
+    flags = [s._flags(k, t) for k in range(K)]
+    updated = tuple(u if f[1] else None for u, f in zip(updated, flags))
+    return state, {**(metrics if flags[K - 1][0] else {}), "updated": updated}
+
+  def _first_sharding(self):
+    """Where stage 0's [length, B, ...] batches go: its device, or its column of replicas,
+    split along the batch axis."""
+    if self.replicas == 1:
+      return self._column_shardings[0]
+    return NamedSharding(self._column_shardings[0].mesh, P(None, DATA_AXIS))
 
   def _on_mesh(self, parts: list, spec):
     """Per-stage pytrees of arrays (stage order), each on its stage's column, as arrays on

@@ -240,18 +240,17 @@ class Residuals:
   fills: tuple = ()
 
   @classmethod
-  def trace(cls, stage: Stage, params, model_state, x, rng) -> tuple[tuple, "Residuals"]:
-    """(shapes of the leaves a slot stores, the structure), for these shapes (abstract
-    values are fine)."""
-    fn = lambda *a: jax.tree.leaves(training_vjp(stage, *a)[1])
-    closed, leaves = jax.make_jaxpr(fn, return_shape=True)(params, model_state, x, rng)
-    _, vjp_spec, _ = jax.eval_shape(lambda *a: training_vjp(stage, *a), params, model_state,
-                                    x, rng)
+  def trace(cls, stage: Stage, params, model_state, x, rng) -> tuple[tuple, "Residuals", Any]:
+    """(shapes of the leaves a slot stores, the structure, the shape of the stage's
+    output), for these shapes (abstract values are fine), from one trace of the vjp."""
+    fn = lambda *a: training_vjp(stage, *a)[:2]
+    closed, (y, vjp_spec) = jax.make_jaxpr(fn, return_shape=True)(params, model_state, x, rng)
+    leaves = jax.tree.leaves(vjp_spec)
+    values = _fill_values(closed.jaxpr)[len(jax.tree.leaves(y)):]  # outputs: y's, then these
     fills = tuple((i, tuple(a.shape), a.dtype, value)
-                  for i, (a, value) in enumerate(zip(leaves, _fill_values(closed.jaxpr)))
-                  if value is not None)
+                  for i, (a, value) in enumerate(zip(leaves, values)) if value is not None)
     out = cls(jax.tree.structure(vjp_spec), fills)
-    return out.stored(leaves), out
+    return out.stored(leaves), out, y
 
   def stored(self, leaves) -> tuple:
     """The leaves a slot stores, of all the vjp_fn's `leaves`."""

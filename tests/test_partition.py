@@ -333,7 +333,7 @@ def test_residuals_store_all_but_constants(name):
   st = partition.split(m, 2, partition.boundaries(m, 2, "uniform", example_input=x))[0]
   p, s = st.init(jax.random.key(0), x)
   key = jax.random.PRNGKey(0)
-  stored, res = Residuals.trace(st, p, s, x, key)
+  stored, res, _ = Residuals.trace(st, p, s, x, key)
   leaves_at = jax.jit(lambda p, x: jax.tree.leaves(training_vjp(st, p, s, x, key)[1]))
   inputs = [(jax.tree.map(lambda a, i=i: a + 0.1 * jax.random.normal(jax.random.key(i),
                                                                       a.shape), p),
