@@ -338,8 +338,10 @@ class Checkpointer:
       return (step, *restored)
     if steps:
       raise CheckpointError(
-          f"no checkpoint in {self.directory} restores (steps {steps}); nothing was deleted: "
-          "move that folder away to start over, or restore it from a backup")
+          f"no checkpoint in {self.directory} restores (steps {steps}): corrupt, or written "
+          "with another state layout (another config, or an fdg_jax version before a change "
+          "of the stash; see the lines above); nothing was deleted: resume with what wrote "
+          "them, move that folder away to start over, or restore it from a backup")
     return None
 
   def _set_aside(self, steps) -> None:
