@@ -21,6 +21,11 @@ buffers per stage whatever the model. The stash ring stays outside the switch (s
 The batches reach stage 0's device only (the labels travel with the activations, as in the
 other engines); the other devices hold cached zeros of their shape.
 
+The devices may lie in several processes (`jax.distributed`): every process runs the same
+program, its own devices' part of it; stage 0's feeding processes pass their rows of the
+batches (`put_first`), the state's vectors are global arrays over each stage's column, and
+the metrics come back replicated over the whole mesh so that every process holds them.
+
 Data-parallel replicas (an (R, K) ("data", "stage") mesh, `mesh=`): the program is
 `shard_map`ped over both axes, each device holding its replica's share of the batch (B/R
 examples) and of the messages and stash, and its own copy of its stage's core state. The
