@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from fdg_jax.packing import Layout, RingView, pad as _pad
-from fdg_jax.placement import DATA_AXIS
+from fdg_jax.placement import DATA_AXIS, _put_global
 
 AXIS = "stage"
 KINDS = ("core", "ring", "act", "cot")
@@ -470,15 +470,12 @@ class Engine:
     In a multi-process run a process holding stage 0's devices passes its rows of each
     batch (`Placement.local_batch_slice`), and the others arrays of the global shape
     (not read), as `Placement.put_batch` takes them."""
-    sharding = self._first_sharding()
+    sharding = self._batch_sharding(0)
     if not self._multi:
       return jax.device_put(tree, sharding) if leading else _leading(tree, sharding)
-    def put(a):
-      a = np.asarray(a) if leading else np.asarray(a)[None]
-      if not any(d.process_index == jax.process_index() for d in sharding.device_set):
-        return jax.make_array_from_single_device_arrays(a.shape, sharding, [], dtype=a.dtype)
-      return jax.make_array_from_process_local_data(sharding, a)
-    return jax.tree.map(put, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [np.asarray(a) if leading else np.asarray(a)[None] for a in leaves]
+    return treedef.unflatten(_put_global(leaves, [sharding] * len(leaves)))
 
   def run(self, state, first, T: int, length: int):
     """T ticks from `state` over the first T of `length` batches (`first`: `put_first`'s).
@@ -509,12 +506,12 @@ class Engine:
     updated = tuple(u if f[1] else None for u, f in zip(updated, flags))
     return state, {**(metrics if flags[K - 1][0] else {}), "updated": updated}
 
-  def _first_sharding(self):
-    """Where stage 0's [length, B, ...] batches go: its device, or its column of replicas,
-    split along the batch axis."""
+  def _batch_sharding(self, k: int):
+    """Where [length, B, ...] batches lie on stage k's devices: its device, or its column
+    of replicas, split along the batch axis (stage 0 reads them; the others hold zeros)."""
     if self.replicas == 1:
-      return self._column_shardings[0]
-    return NamedSharding(self._column_shardings[0].mesh, P(None, DATA_AXIS))
+      return self._column_shardings[k]
+    return NamedSharding(self._column_shardings[k].mesh, P(None, DATA_AXIS))
 
   def _on_mesh(self, parts: list, spec):
     """Per-stage pytrees of arrays (stage order), each on its stage's column, as arrays on
@@ -551,10 +548,7 @@ class Engine:
     key = ("zeros", k, tuple((np.shape(a), jnp.dtype(a.dtype).name)
                              for a in jax.tree.leaves(tree)))
     if key not in self._fns:
-      if self.replicas == 1:
-        sharding = self._column_shardings[k]
-      else:
-        sharding = NamedSharding(self._column_shardings[k].mesh, P(None, DATA_AXIS))
+      sharding = self._batch_sharding(k)
       zeros = lambda a: jax.make_array_from_callback(  # each process its own devices'
           np.shape(a), sharding, lambda index: np.zeros(np.shape(a), a.dtype)[index],
           dtype=a.dtype)
