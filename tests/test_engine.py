@@ -284,6 +284,44 @@ def test_spmd_engine_compiles_once_per_buffer_length_and_keeps_few_buffers():
   assert spmd[K - 1] == spmd[0] - 4 * sched.ring_sizes[0]  # the same ring, no batch indices
 
 
+def test_spmd_engine_advances_two_states_alternately():
+  """The engine reuses the mesh arrays its last call returned only for the state that call
+  returned: two states advanced alternately by one SPMD schedule end as each does under the
+  per-stage engine, and a state run twice in a row is assembled once."""
+  K = 2
+  stages, params, states = model("bn", K)
+  data = batches(8)
+  make = lambda **kw: fdg_jax.fdg(stages, loss_fn, optax.sgd(0.05),
+                                  devices=jax.devices()[:K], **kw)
+  sched = make(engine="spmd")
+  other = jax.tree.map(lambda a: 0.5 * a, params)
+  a, b = sched.init(params, states), sched.init(other, states)
+  engine, assembled = sched._spmd, []
+  on_mesh = engine._on_mesh
+  engine._on_mesh = lambda parts, spec: (
+      assembled.append(isinstance(parts[0], dict)) or on_mesh(parts, spec))  # not batches
+  xs, ys = stacked(data)
+  for i in range(0, 6, 2):
+    a, _ = sched.run(a, (xs[i:i + 2], ys[i:i + 2]))
+    b, _ = sched.run(b, (xs[i:i + 2], ys[i:i + 2]))
+  assert sum(assembled) == 6  # every call a state the last call did not return
+  assembled.clear()
+  for i in (6, 7):
+    a, _ = sched.run(a, (xs[i:i + 1], ys[i:i + 1]))
+    b, _ = sched.run(b, (xs[i:i + 1], ys[i:i + 1]))
+  a, _ = sched.run(a, (xs[:1], ys[:1]))
+  a, _ = sched.run(a, (xs[1:2], ys[1:2]))  # the state the last call returned: reused
+  assert sum(assembled) == 5
+  ref = make()
+  for start, got, extra in ((params, a, data[:2]), (other, b, [])):
+    r = ref.init(start, states)
+    for batch in data + extra:
+      r, _ = ref.step(r, batch)
+    expected, actual = core_and_stash(ref, r), core_and_stash(sched, got)
+    assert_trees_close(actual[0], expected[0], atol=1e-6)
+    assert_trees_close(actual[1], expected[1], atol=1e-6)
+
+
 def test_bad_engine_arguments():
   stages, _, _ = model("bn", 2)
   with pytest.raises(ValueError, match="engine"):

@@ -47,6 +47,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -234,6 +235,41 @@ def _advance(entry, ticks: int):
 def _last_loss(m) -> float:
   loss = m["loss"]
   return float(loss[-1] if getattr(loss, "ndim", 0) else loss)
+
+
+@contextlib.contextmanager
+def host_thread_pinned(enabled: bool = True):
+  """Within the block, the calling thread alone on the first of this process's cores and
+  every other thread (the runtime's pools, which run XLA:CPU's device programs) on the
+  others; their affinities are restored after it. Linux only.
+
+  On a CPU platform the host thread and the devices share the cores: the moment a call
+  hands a program to the pool, a worker can take the caller's core, and the time for the
+  call to return then counts device work. Pinned, the host time is the host's own, as on
+  an accelerator, where the devices do not compute on the host's cores (and the devices
+  get one core fewer, so blocked times rise). Threads the caller starts inside the block
+  inherit its core.
+  """
+  if not enabled:
+    yield
+    return
+  if not hasattr(os, "sched_setaffinity"):
+    raise SystemExit("--pin_host needs Linux thread affinities (os.sched_setaffinity)")
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < 2:
+    raise SystemExit(f"--pin_host needs at least 2 cores; this process may use {len(cores)}")
+  me, saved = threading.get_native_id(), {}
+  for name in os.listdir("/proc/self/task"):
+    tid = int(name)
+    with contextlib.suppress(OSError):  # a thread that ended meanwhile
+      saved[tid] = os.sched_getaffinity(tid)
+      os.sched_setaffinity(tid, cores[:1] if tid == me else cores[1:])
+  try:
+    yield
+  finally:
+    for tid, mask in saved.items():
+      with contextlib.suppress(OSError):
+        os.sched_setaffinity(tid, mask)
 
 
 def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> list[dict]:
@@ -442,9 +478,11 @@ def bench_dispatch(args) -> list[dict]:
                        "warmup_s": entries[-1]["warmup_s"],
                        "leaves_per_stage": [len(jax_leaves(s)) for s in
                                             entries[-1]["state"]["stages"]]})
-  times = time_interleaved(entries, ticks=args.dispatch_ticks, repeats=args.repeats)
+  with host_thread_pinned(args.pin_host):
+    times = time_interleaved(entries, ticks=args.dispatch_ticks, repeats=args.repeats)
   for row, t in zip(rows, times):
     K = row["num_stages"]
+    row["host_pinned"] = bool(args.pin_host)
     row.update(host_time_per_tick_s=spread(t["host"]),
                host_time_per_stage_tick_s=spread([h / K for h in t["host"]]),
                idle_host_time_per_stage_tick_s=spread([h / K for h in t["host_idle"]]),
@@ -472,6 +510,8 @@ def dispatch_table(rows) -> str:
     r = rows[0]
     lines += ["", f"model {r['model']}, batch {r['batch_size']}; packed state buffers per stage "
               f"(K={r['num_stages']}): {r['leaves_per_stage']}"]
+    if r.get("host_pinned"):
+      lines.append("host thread pinned to its own core (--pin_host)")
   return "\n".join(lines)
 
 
@@ -843,6 +883,10 @@ def parse_args(argv=None):
                       help="overhead: XLA options of the schedules' programs, each variant "
                       "timed side by side: 'default' (the platform's) or JSON, e.g. '{}' "
                       "for XLA's own")
+  parser.add_argument("--pin_host", action="store_true",
+                      help="dispatch, on CPU: time with the calling thread alone on one core "
+                      "and the runtime's threads on the others (Linux), so that device work "
+                      "does not count as host time")
   parser.add_argument("--replicas", type=int, default=1,
                       help="dispatch: R > 1 times the engines on an R x K (data, stage) mesh")
   parser.add_argument("--engines", nargs="+", default=["per_stage", "spmd", "fused"],
