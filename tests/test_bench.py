@@ -6,7 +6,9 @@ timing assertions)."""
 import importlib.util
 import json
 import math
+import os
 import pathlib
+import threading
 
 import jax
 import numpy as np
@@ -294,3 +296,39 @@ def test_dispatch_times_both_engines_on_a_data_stage_mesh(tmp_path, capsys):
   assert all(r["batch_size"] == 2 * 8 for r in rows)  # the tiny model's batch per replica
   assert all(_positive_finite(r["host_time_per_stage_tick_s"]["median"]) for r in rows)
   assert "| FDG | 2 | run T=2 | 2x2 mesh (spmd) |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux thread affinities and 2 cores")
+def test_pin_host_puts_the_caller_alone_on_a_core_and_restores_affinities(tmp_path):
+  cores = sorted(os.sched_getaffinity(0))
+  started, release, seen = threading.Event(), threading.Event(), {}
+
+  def other():
+    seen["tid"] = threading.get_native_id()
+    started.set()
+    release.wait()
+
+  worker = threading.Thread(target=other)
+  worker.start()
+  started.wait()
+  before = os.sched_getaffinity(seen["tid"])
+  try:
+    with bench.schedules.host_thread_pinned():
+      assert sorted(os.sched_getaffinity(0)) == cores[:1]
+      assert sorted(os.sched_getaffinity(seen["tid"])) == cores[1:]
+    assert sorted(os.sched_getaffinity(0)) == cores
+    assert os.sched_getaffinity(seen["tid"]) == before
+  finally:
+    release.set()
+    worker.join()
+  out = tmp_path / "dispatch.json"
+  bench.run(bench.parse_args([
+      "dispatch", "--stages", "2", "--algorithms", "fdg", "--engines", "fused",
+      "--dispatch_ticks", "2", "--repeats", "1", "--paths", "run", "--run_ticks", "2",
+      "--pin_host", "--out", str(out)]))
+  with open(out) as f:
+    rows = json.load(f)["dispatch"]
+  assert [r["host_pinned"] for r in rows] == [True]
+  assert _positive_finite(rows[0]["host_time_per_stage_tick_s"]["median"])
+  assert sorted(os.sched_getaffinity(0)) == cores
