@@ -313,7 +313,9 @@ def device_info() -> dict:
           "num_devices": len(devs), "devices": [str(d) for d in devs],
           "jax": jax.__version__, "host": platform.node(), "cpu_count": os.cpu_count(),
           # Other processes' load: timings on a shared machine are only as good as this.
-          "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+          "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+          # XLA:CPU sizes its runtime's thread pools from NPROC when set (else the cores).
+          "NPROC": os.environ.get("NPROC")}
 
 
 # ------------------------------------------------------------------------------ throughput
