@@ -245,10 +245,10 @@ def host_thread_pinned(enabled: bool = True):
 
   On a CPU platform the host thread and the devices share the cores: the moment a call
   hands a program to the pool, a worker can take the caller's core, and the time for the
-  call to return then counts device work. Pinned, the host time is the host's own, as on
-  an accelerator, where the devices do not compute on the host's cores (and the devices
-  get one core fewer, so blocked times rise). Threads the caller starts inside the block
-  inherit its core.
+  call to return then counts device work. Pinned, device work no longer takes the caller's
+  core, as on an accelerator (a call can still wait on the runtime, e.g. its limit on
+  computations in flight), and the devices get one core fewer, so blocked times rise.
+  Threads the caller starts inside the block inherit its core.
   """
   if not enabled:
     yield
