@@ -19,6 +19,7 @@ import numbers
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -259,7 +260,6 @@ class Residuals:
 
   def vjp_fn(self, stored) -> Callable:
     """The vjp_fn rebuilt from a slot's leaves (`stored`) and the constants."""
-    import jax.numpy as jnp
     leaves, rest = [], iter(stored)
     fills = {i: f for i, *f in self.fills}
     for i in range(self.treedef.num_leaves):
