@@ -159,6 +159,10 @@ def test_bench_all_writes_expected_json(bench_result):
     per_stage, per_tick = d["host_time_per_stage_tick_s"], d["host_time_per_tick_s"]
     assert _positive_finite(per_stage["median"])
     assert per_stage["median"] == pytest.approx(per_tick["median"] / d["num_stages"])
+    # The calling thread's CPU time over the same calls: positive, and never more than the
+    # time they took (a process-wide clock would count the device threads' work too).
+    cpu = d["host_cpu_time_per_stage_tick_s"]
+    assert 0 < cpu["min"] and cpu["max"] <= per_stage["max"] + 1e-6
 
 
 def test_overhead_times_compiler_option_variants_side_by_side(tmp_path, capsys):

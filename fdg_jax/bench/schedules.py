@@ -277,21 +277,24 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
 
   Interleaving puts every schedule's i-th repetition next to the others' in time, so a slow
   spell of a shared machine hits all of them alike (and per-repetition ratios cancel it).
-  Returns, per entry, `step` (blocked at the end of each repetition) and `host` (the time for
-  the calls to return, before blocking) lists, and whether the last loss is finite. An
+  Returns, per entry, `step` (blocked at the end of each repetition), `host` (the time for
+  the calls to return, before blocking) and `host_cpu` (the calling thread's CPU time over
+  those calls: its own work, without the time it waited or was preempted) lists, and
+  whether the last loss is finite. An
   entry timed through `run` takes ticks // T calls of T ticks (at least one).
   """
-  out = [{"step": [], "host": [], "host_idle": []} for _ in entries]
+  out = [{"step": [], "host": [], "host_cpu": [], "host_idle": []} for _ in entries]
   for _ in range(repeats):
     for e, o in zip(entries, out):
       n = max(ticks // e["run_ticks"], 1) * e["run_ticks"] if e["run_ticks"] else ticks
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.thread_time()
       state, m = _advance(e, ticks)
-      t1 = time.perf_counter()
+      t1, c1 = time.perf_counter(), time.thread_time()
       block((state["stages"], state["inbox"], m))
       t2 = time.perf_counter()
       e["state"], e["metrics"] = state, m
       o["host"].append((t1 - t0) / n)
+      o["host_cpu"].append((c1 - c0) / n)
       o["step"].append((t2 - t0) / n)
       # One call with the devices idle: the host's own cost, not slowed by device work
       # competing for the same cores (XLA:CPU) or by a full dispatch queue.
@@ -488,6 +491,7 @@ def bench_dispatch(args) -> list[dict]:
     row.update(host_time_per_tick_s=spread(t["host"]),
                host_time_per_stage_tick_s=spread([h / K for h in t["host"]]),
                idle_host_time_per_stage_tick_s=spread([h / K for h in t["host_idle"]]),
+               host_cpu_time_per_stage_tick_s=spread([h / K for h in t["host_cpu"]]),
                step_time_s=spread(t["step"]))
     _progress(f"dispatch {row['path']} {row['engine']} {row['algorithm']} K={K}: "
               f"{1e6 * row['host_time_per_stage_tick_s']['median']:.0f} µs/stage-tick")
@@ -497,15 +501,18 @@ def bench_dispatch(args) -> list[dict]:
 
 def dispatch_table(rows) -> str:
   lines = ["| algorithm | K | path | placement (engine) | host µs per tick | host µs per stage "
-           "per tick, median [min, max] | same, devices idle | blocked µs per tick | "
-           "first call / warm-up s |", "|---|---|---|---|---|---|---|---|---|"]
+           "per tick, median [min, max] | same, devices idle | host thread's CPU µs per "
+           "stage per tick | blocked µs per tick | first call / warm-up s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     h, p = r["host_time_per_tick_s"], r["host_time_per_stage_tick_s"]
     idle = r.get("idle_host_time_per_stage_tick_s", {"median": float("nan")})
+    cpu = r.get("host_cpu_time_per_stage_tick_s", {"median": float("nan")})
     lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r.get('path', 'step')} | "
                  f"{r['placement']} ({r.get('engine', 'per_stage')}) | "
                  f"{1e6 * h['median']:.0f} | {1e6 * p['median']:.0f} [{1e6 * p['min']:.0f}, "
                  f"{1e6 * p['max']:.0f}] | {1e6 * idle['median']:.0f} | "
+                 f"{1e6 * cpu['median']:.0f} | "
                  f"{1e6 * r['step_time_s']['median']:.0f} | "
                  f"{r.get('warmup_s', float('nan')):.1f} |")
   if rows and "model" in rows[0]:
