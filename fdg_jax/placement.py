@@ -46,6 +46,7 @@ class Placement:
     self.batch_shardings = list(batch_shardings)
     self.scalar_shardings = list(scalar_shardings)
     self.num_replicas = num_replicas
+    self._plans: dict = {}  # `_MovePlan`s of `put_batches`, by the messages' layout
 
   @classmethod
   def create(cls, num_stages: int, devices: Sequence[Any] | None = None,
@@ -183,9 +184,9 @@ class Placement:
     (`local_batch_slice`); a process holding none of stage k's devices passes arrays of the
     global shape (they are not read).
     """
-    shardings = self.message_shardings(k, tree)
     if jax.process_count() == 1:
-      return put_local(tree, shardings)
+      return self.put_batches([(k, tree)])[0]
+    shardings = self.message_shardings(k, tree)
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten(_put_global(leaves, treedef.flatten_up_to(shardings)))
 
@@ -201,10 +202,18 @@ class Placement:
     """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible
     (in a multi-process run, one collective per pair of device sets crossed)."""
     messages = list(messages)
-    shardings = [self.message_shardings(k, tree) for k, tree in messages]
     trees = [tree for _, tree in messages]
     if jax.process_count() == 1:
-      return put_local(trees, shardings)
+      leaves, treedef = jax.tree.flatten(trees)
+      key = (treedef, tuple(k for k, _ in messages), tuple(map(_where, leaves)))
+      plan = self._plans.get(key)
+      if plan is None:
+        if len(self._plans) >= 64:  # layouts seen once (the first ticks' placeholders)
+          self._plans.clear()
+        shardings = [self.message_shardings(k, tree) for k, tree in messages]
+        plan = self._plans[key] = _MovePlan(leaves, treedef.flatten_up_to(shardings))
+      return treedef.unflatten(plan(leaves))
+    shardings = [self.message_shardings(k, tree) for k, tree in messages]
     leaves, treedef = jax.tree.flatten(trees)
     return treedef.unflatten(_put_global(leaves, treedef.flatten_up_to(shardings)))
 
@@ -238,22 +247,39 @@ def put_local(tree, shardings):
   shardings have the same shape; the rest (host data, reshardings) through `device_put`.
   """
   leaves, treedef = jax.tree.flatten(tree)
-  targets = treedef.flatten_up_to(shardings)
-  out: list = list(leaves)
-  copy_idx, put_idx = [], []
-  for i, (a, s) in enumerate(zip(leaves, targets)):
-    if isinstance(a, jax.Array) and a.committed and a.sharding.is_equivalent_to(s, a.ndim):
-      continue
-    (copy_idx if _copyable(a, s) else put_idx).append(i)
-  if copy_idx:
-    moved = _batched_copy([leaves[i] for i in copy_idx], [targets[i] for i in copy_idx])
-    for i, m in zip(copy_idx, moved):
-      out[i] = m
-  if put_idx:
-    moved = jax.device_put([leaves[i] for i in put_idx], [targets[i] for i in put_idx])
-    for i, m in zip(put_idx, moved):
-      out[i] = m
-  return treedef.unflatten(out)
+  return treedef.unflatten(_MovePlan(leaves, treedef.flatten_up_to(shardings))(leaves))
+
+
+def _where(leaf):
+  """What `put_local` decides a leaf's move by: a device array's sharding (by identity; the
+  outputs of one compiled program share theirs), whether it is committed and its rank (a
+  scalar goes where stage k's scalars live), else its type and rank."""
+  if isinstance(leaf, jax.Array):
+    return id(leaf.sharding), leaf.committed, leaf.ndim
+  return type(leaf), np.ndim(leaf)
+
+
+class _MovePlan:
+  """`put_local`'s decisions for one layout of leaves (`_where`), made once: which leaves
+  stay, which go by the batched copy, which by `device_put`. Holds the leaves' shardings, so
+  that the ids in its key stay theirs while it lives."""
+
+  def __init__(self, leaves: list, targets: list):
+    self.sources = [getattr(a, "sharding", None) for a in leaves]
+    self.copy, self.put = [], []
+    for i, (a, s) in enumerate(zip(leaves, targets)):
+      if isinstance(a, jax.Array) and a.committed and a.sharding.is_equivalent_to(s, a.ndim):
+        continue
+      (self.copy if _copyable(a, s) else self.put).append((i, s))
+
+  def __call__(self, leaves: list) -> list:
+    out = list(leaves)
+    for moves, fn in ((self.copy, _batched_copy), (self.put, jax.device_put)):
+      if moves:
+        moved = fn([leaves[i] for i, _ in moves], [s for _, s in moves])
+        for (i, _), m in zip(moves, moved):
+          out[i] = m
+    return out
 
 
 def _copyable(a, target) -> bool:

@@ -72,6 +72,34 @@ def test_move_shards_copies_each_local_shard_to_the_next_column():
     move_shards(x, NamedSharding(col[1], P()))
 
 
+def test_put_batches_decides_each_layout_of_messages_once():
+  """The per-stage engine's message moves: right devices and values, a layout's decisions
+  reused, and a new layout (host data, arrays already in place) decided afresh."""
+  devs = jax.devices()[:2]
+  placement = fdg_jax.Placement.create(2, devices=devs)
+  on = lambda d: jax.sharding.SingleDeviceSharding(d)
+  produce = jax.jit(lambda x: (2 * x, jnp.sum(x).astype(jnp.int32)),
+                    out_shardings=(on(devs[0]), on(devs[0])))
+  x = jax.device_put(jnp.arange(6.0).reshape(3, 2), devs[0])
+  for i in range(3):  # fresh outputs of one program each time: one plan
+    h, n = produce(x + i)
+    (h1, n1), = placement.put_batches([(1, (h, n))])
+    assert h1.devices() == {devs[1]} and n1.devices() == {devs[1]}
+    np.testing.assert_array_equal(np.asarray(h1), 2 * (np.arange(6.0).reshape(3, 2) + i))
+    assert int(n1) == int(np.sum(np.arange(6.0) + i))
+  assert len(placement._plans) == 1
+  # Host data goes by device_put; arrays already on stage 1 stay as they are.
+  (g, m), = placement.put_batches([(1, (np.ones((3, 2), np.float32), h1))])
+  assert g.devices() == {devs[1]} and m is h1
+  assert len(placement._plans) == 2
+  # The first tree structure with its leaves already on device 1: kept, not moved again.
+  (h2, n2), = placement.put_batches([(1, (h1, n1))])
+  assert h2 is h1 and n2 is n1 and len(placement._plans) == 3
+  # The first layout again (its leaves on device 0): moved by the first plan.
+  (h3, _), = placement.put_batches([(1, produce(x))])
+  assert h3.devices() == {devs[1]} and len(placement._plans) == 3
+
+
 # ---------------------------------------------------------------------------- async ticks
 PLACEMENTS = {
     "devices": lambda K: {"devices": jax.devices()[:K]},
