@@ -972,8 +972,9 @@ class Schedule:
       per_tick.append(m)
     per_tick += [{"updated": (None,) * K}] * (length - T)  # unset entries past T
     spec = self._metrics_spec()
-    out = _stack_jit({name: [m.get(name, self._constant(K - 1, 0, leaf.dtype))
-                             for m in per_tick] for name, leaf in spec.items()})
+    fills = {name: self._constant(K - 1, 0, leaf.dtype) for name, leaf in spec.items()}
+    out = _stack_jit({name: [m.get(name, fill) for m in per_tick]
+                      for name, fill in fills.items()})
     columns = []
     for k in range(K):
       none = self._constant(k, NO_UPDATE, jnp.int32)
