@@ -202,9 +202,8 @@ class Placement:
     """`[put_batch(k, tree) for k, tree in messages]`, as one batched move where possible
     (in a multi-process run, one collective per pair of device sets crossed)."""
     messages = list(messages)
-    trees = [tree for _, tree in messages]
+    leaves, treedef = jax.tree.flatten([tree for _, tree in messages])
     if jax.process_count() == 1:
-      leaves, treedef = jax.tree.flatten(trees)
       key = (treedef, tuple(k for k, _ in messages), tuple(map(_where, leaves)))
       plan = self._plans.get(key)
       if plan is None:
@@ -214,7 +213,6 @@ class Placement:
         plan = self._plans[key] = _MovePlan(leaves, treedef.flatten_up_to(shardings))
       return treedef.unflatten(plan(leaves))
     shardings = [self.message_shardings(k, tree) for k, tree in messages]
-    leaves, treedef = jax.tree.flatten(trees)
     return treedef.unflatten(_put_global(leaves, treedef.flatten_up_to(shardings)))
 
 
