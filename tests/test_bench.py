@@ -336,3 +336,22 @@ def test_pin_host_puts_the_caller_alone_on_a_core_and_restores_affinities(tmp_pa
   assert [r["host_pinned"] for r in rows] == [True]
   assert _positive_finite(rows[0]["host_time_per_stage_tick_s"]["median"])
   assert sorted(os.sched_getaffinity(0)) == cores
+
+
+def test_input_shape_resizes_a_globally_pooled_model_for_the_benchmarks():
+  model = bench.build_model("resnet20", {}, (8, 8, 3))
+  assert model.input_shape == (8, 8, 3)
+  bounds, stages, params, states = bench.build_stages(model, 2, "balanced", 2)
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 3))
+  h = x
+  for stage, p, s in zip(stages, params, states):
+    h, _ = stage.apply(p, s, h, train=False)
+  assert h.shape == (2, 10)  # the head pools globally: any image size gives the logits
+  full = model.module()
+  variables = full.init(jax.random.PRNGKey(0), x, train=False)
+  assert jax.tree.map(np.shape, variables["params"]) == jax.tree.map(
+      np.shape, full.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)),
+                          train=False)["params"])  # the same weights as at 32x32
+  with pytest.raises(ValueError, match=r"give \(H, W, 3\)"):
+    bench.build_model("resnet20", {}, (8, 8))
+  assert bench.build_model("mlp", {"widths": [8]}, (8, 8, 1)).input_shape == (8, 8, 1)
