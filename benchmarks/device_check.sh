@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine's figures on an accelerator, in one bounded run (each benchmark is stopped
-# after LIMIT seconds; the whole script takes at most 7 x LIMIT, 9 min 20 s by default).
+# after LIMIT seconds; the whole script takes at most 8 x LIMIT, 9 min 20 s by default).
 #
 #   pip install --no-deps -e . && OUT=/tmp/device_check bash benchmarks/device_check.sh
 #
@@ -8,8 +8,9 @@
 #   nested         do backward convolutions run slowly inside loops/switches here, as on
 #                  XLA:CPU (the rule behind `Schedule.scan`)?
 #   dispatch_*     host time per stage per tick of `step` and `run`: tiny MLP (every engine,
-#                  the SPMD program too), ResNet-110 K=4 (with its compile time; the SPMD
-#                  program separately, last: its compile time is not known)
+#                  the SPMD program too), ResNet-110 K=4 (with its compile time): the
+#                  per-stage `step` (on one GPU, its 4 stages' calls on that GPU), the fused
+#                  engine, and the SPMD program last (its compile time is not known)
 #   overhead_*     one device, FDG K=4 over BP K=1 per sample: quick-start MLP, ResNet-20 in
 #                  float32 and bfloat16; the quick start also with XLA:GPU's copy insertion
 #                  with region analysis, side by side (on CPU its twin is the default, and
@@ -20,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_check}
-LIMIT=${LIMIT:-80}
+LIMIT=${LIMIT:-70}
 mkdir -p "$OUT"
 python -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
 
@@ -39,9 +40,13 @@ RESNET20=(--model resnet20 --batch_size 64 --stages 4 --split balanced --algorit
           --ticks 8 --repeats 3)
 
 run nested nested
-run dispatch_resnet110 dispatch --dispatch_model resnet110 --dispatch_batch 2 --split balanced \
-    --stages 4 --algorithms fdg --dispatch_ticks 16 --run_ticks 32 --repeats 3 \
-    --engines per_stage fused
+RESNET110=(--dispatch_model resnet110 --dispatch_batch 2 --split balanced --stages 4
+           --algorithms fdg --repeats 3)
+# Per-stage `step` (its 150 µs target): on 4 devices, or with one GPU its 4 stages' calls on it.
+run dispatch_resnet110 dispatch "${RESNET110[@]}" --dispatch_ticks 16 --engines per_stage \
+    --paths step
+run dispatch_resnet110_fused dispatch "${RESNET110[@]}" --dispatch_ticks 16 --run_ticks 32 \
+    --engines fused
 run overhead_resnet20_f32 overhead "${RESNET20[@]}" --dtype float32
 run overhead_resnet20_bf16 overhead "${RESNET20[@]}" --dtype bfloat16
 run dispatch_tiny dispatch --stages 4 --algorithms bp ddg fdg --repeats 3

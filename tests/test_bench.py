@@ -355,3 +355,18 @@ def test_input_shape_resizes_a_globally_pooled_model_for_the_benchmarks():
   with pytest.raises(ValueError, match=r"give \(H, W, 3\)"):
     bench.build_model("resnet20", {}, (8, 8))
   assert bench.build_model("mlp", {"widths": [8]}, (8, 8, 1)).input_shape == (8, 8, 1)
+
+
+def test_dispatch_times_the_per_stage_engine_on_one_device_when_stages_outnumber_devices(
+    tmp_path):
+  out = tmp_path / "dispatch.json"
+  K = len(jax.devices()) + 1  # 5 stages of the tiny model's 5 blocks on 4 devices
+  bench.run(bench.parse_args([
+      "dispatch", "--stages", str(K), "--algorithms", "fdg", "--engines", "per_stage",
+      "fused", "--dispatch_ticks", "2", "--repeats", "1", "--paths", "step",
+      "--out", str(out)]))
+  with open(out) as f:
+    rows = json.load(f)["dispatch"]
+  assert [(r["engine"], r["placement"]) for r in rows] == [
+      ("per_stage", f"{K} stages on 1 device"), ("fused", "1 device")]
+  assert all(_positive_finite(r["host_time_per_stage_tick_s"]["median"]) for r in rows)

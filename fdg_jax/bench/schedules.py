@@ -459,7 +459,8 @@ def bench_dispatch(args) -> list[dict]:
   per-stage engine: a jitted call per stage, 2K-1 per tick for BP and DDG, K for FDG, plus
   the moves of the messages; for FDG also the SPMD engine: one program over the K devices
   per call, `step` being `run` with T = 1) and on one device (the fused engine: one
-  program per call). With --replicas R > 1, on an R x K (data, stage) mesh instead: the
+  program per call). With fewer than K devices (one GPU), the per-stage engine runs its K
+  calls per tick on the one device instead, with no messages to move. With --replicas R > 1, on an R x K (data, stage) mesh instead: the
   per-stage engine (its calls span a stage's R devices) and the SPMD engine (one program
   over the R x K devices); the batch is the global one, R times --dispatch_batch.
   """
@@ -483,6 +484,11 @@ def bench_dispatch(args) -> list[dict]:
     else:
       devices, where = placement_for(K)
       places = [({"devices": devices}, where, e) for e in ("per_stage", "spmd") if devices]
+      if not devices and K > 1:
+        # Fewer devices than stages (one GPU): the per-stage engine's K calls per tick on
+        # the one device, so that its host cost is measured there too (no message moves).
+        places.append(({"devices": [_jax().devices()[0]] * K}, f"{K} stages on 1 device",
+                       "per_stage"))
       places.append(({}, "1 device", "fused"))
     places = [p for p in places if p[2] in args.engines]
     for path, T in _paths(args):
