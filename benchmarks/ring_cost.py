@@ -19,12 +19,15 @@ per call), and FDG K=4 compiled with parts of the ring's work taken out:
 
 Those variants compute wrong gradients: they exist only to time what each part of the ring
 costs; nothing else uses them. Prints µs per sample and the ratio to BP K=1 (median
-[min, max] of the per-repetition ratios); `--out` also writes them as JSON.
+[min, max] of the per-repetition ratios), the kernels one tick of each compiled loop runs
+(`fdg_jax.bench.hlo.loop_kernels`: XLA:CPU runs each as its own kernel), and the bytes
+FDG K=4 writes to its stash rings per tick, weights apart; `--out` also writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 
@@ -103,6 +106,36 @@ VARIANTS = {
 }
 
 
+def loop_kernels(entry) -> "collections.Counter":
+  """Kernels per tick of a prepared entry's compiled `run` loop (traced again here, so call
+  it while the entry's variant is patched in)."""
+  from fdg_jax.bench import hlo
+  from fdg_jax.schedules import _without_heads
+  schedule, state = entry["schedule"], entry["state"]
+  xs, ys = entry["stacked"]
+  T = entry["run_ticks"]
+  packed, heads = _without_heads(state["stages"])
+  text = schedule._fused_fn(T).jitted.lower(packed, heads, state["inbox"], xs, ys,
+                                            np.int32(0), np.int32(T)).compile().as_text()
+  return hlo.loop_kernels(text)
+
+
+def stash_written(schedule, params) -> dict:
+  """Bytes each stage's forward writes to its stash ring per tick (one entry), and how many
+  of them are weights: entry leaves shaped like one of the stage's parameters (rank >= 2)."""
+  import jax
+  per_stage, weights = [], 0
+  for k, lay in enumerate(schedule._ring_layouts):
+    if lay is None or schedule.ring_sizes[k] < 2:
+      per_stage.append(0)
+      continue
+    shapes = {tuple(np.shape(p)) for p in jax.tree.leaves(params[k]) if np.ndim(p) >= 2}
+    sizes = [int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(lay.shapes, lay.dtypes)]
+    per_stage.append(sum(sizes))
+    weights += sum(b for b, s in zip(sizes, lay.shapes) if tuple(s) in shapes)
+  return {"total": sum(per_stage), "weights": weights, "per_stage": per_stage}
+
+
 @contextlib.contextmanager
 def patched(methods: dict):
   """`Schedule` with `methods` replaced while a schedule is built and compiled."""
@@ -126,26 +159,35 @@ def main(argv=None) -> dict:
   batch = B.random_batch(model, args.batch_size)
   configs = [("BP K=1", "bp", one, {}), ("BP K=4", "bp", four, {}), ("FDG K=4", "fdg", four, {})]
   configs += [(f"FDG K=4, {name}", "fdg", four, methods) for name, methods in VARIANTS.items()]
-  entries = []
+  entries, kernels = [], []
   for _, algorithm, (stages, params, states), methods in configs:
     with patched(methods):  # compiled here, so the program keeps the variant
       entries.append(B.prepare(B.make_schedule(algorithm, stages), params, states, batch,
                                run_ticks=args.run_ticks))
+      kernels.append(loop_kernels(entries[-1]))
   times = B.time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   base = np.asarray(times[0]["step"])
   rows = []
   print(f"quick-start MLP, batch {args.batch_size}, run T={args.run_ticks}, "
         f"{args.repeats} interleaved repetitions of {args.ticks} ticks")
-  print(f"{'configuration':34s} {'µs/sample':>9s}  × BP K=1, median [min, max]")
-  for (name, *_), t in zip(configs, times):
+  print(f"{'configuration':34s} {'µs/sample':>9s}  {'× BP K=1, median [min, max]':28s} "
+        "kernels per tick")
+  for (name, *_), t, kern in zip(configs, times, kernels):
     step = np.asarray(t["step"])
     ratio = step / base
     rows.append({"configuration": name, "us_per_sample": 1e6 * float(np.median(step))
                  / args.batch_size, "ratio": [float(np.median(ratio)), float(ratio.min()),
-                                              float(ratio.max())]})
+                                              float(ratio.max())],
+                 "kernels_per_tick": dict(kern)})
     print(f"{name:34s} {rows[-1]['us_per_sample']:9.2f}  {rows[-1]['ratio'][0]:.3f} "
-          f"[{ratio.min():.3f}, {ratio.max():.3f}]")
-  figures = {"args": vars(args), "device": B.device_info(), "rows": rows}
+          f"[{ratio.min():.3f}, {ratio.max():.3f}]{'':8s} {sum(kern.values()):4d}")
+  fdg = entries[2]["schedule"]
+  stash = stash_written(fdg, four[1])
+  print(f"FDG K=4 writes {stash['total'] / 1024:.1f} KiB of stash per tick, "
+        f"{stash['weights'] / 1024:.1f} KiB of it weights (the weights each forward used); "
+        f"per stage {[round(b / 1024, 1) for b in stash['per_stage']]} KiB")
+  figures = {"args": vars(args), "device": B.device_info(), "rows": rows,
+             "stash_bytes_per_tick": stash}
   if args.out:
     with open(args.out, "w") as f:
       json.dump(figures, f, indent=1)

@@ -11,6 +11,7 @@ import pathlib
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -370,3 +371,47 @@ def test_dispatch_times_the_per_stage_engine_on_one_device_when_stages_outnumber
   assert [(r["engine"], r["placement"]) for r in rows] == [
       ("per_stage", f"{K} stages on 1 device"), ("fused", "1 device")]
   assert all(_positive_finite(r["host_time_per_stage_tick_s"]["median"]) for r in rows)
+
+
+def test_loop_kernels_counts_what_one_iteration_runs():
+  from fdg_jax.bench import hlo
+
+  def program(num_dots):
+    def body(i, carry):
+      x, ws = carry
+      for w in ws[:num_dots]:  # each product feeds the next: no two fuse into one
+        x = jnp.tanh(x @ w)
+      return x, ws
+    return jax.jit(lambda x, ws: jax.lax.fori_loop(0, 3, body, (x, ws))[0])
+
+  x = jnp.ones((4, 8))
+  ws = tuple(jnp.eye(8) * (i + 1) for i in range(3))
+  counts = [hlo.loop_kernels(program(n).lower(x, ws).compile().as_text()) for n in (1, 3)]
+  assert sum(counts[1].values()) > sum(counts[0].values()) >= 1
+  assert not set(counts[1]) & hlo.BOOKKEEPING
+  tuple_typed = ("%while.1 = (s32[], f32[4,8]{1,0}, /*index=2*/f32[8,8]{1,0}) "
+                 "while(%tuple.3), condition=%cond, body=%body")
+  assert hlo.opcode(tuple_typed) == "while"
+  assert hlo.opcode("ROOT %add.2 = f32[4]{0} add(%a, %b)") == "add"
+  with pytest.raises(ValueError, match="no loop"):
+    hlo.loop_kernels(jax.jit(jnp.sin).lower(x).compile().as_text())
+
+
+def test_ring_cost_counts_kernels_and_the_weights_a_stash_writes(tmp_path, capsys):
+  spec = importlib.util.spec_from_file_location("ring_cost", ROOT / "benchmarks" /
+                                                "ring_cost.py")
+  ring_cost = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ring_cost)
+  out = tmp_path / "ring_cost.json"
+  r = ring_cost.main(["--repeats", "1", "--ticks", "4", "--run_ticks", "4", "--out",
+                      str(out)])
+  rows = {row["configuration"]: row for row in r["rows"]}
+  kernels = {name: sum(row["kernels_per_tick"].values()) for name, row in rows.items()}
+  assert kernels["FDG K=4"] > kernels["BP K=4"] > kernels["BP K=1"]
+  assert kernels["FDG K=4, no ring write"] < kernels["FDG K=4"]
+  # The quick-start MLP (64 -> 4 x 128) split uniformly: stages 0-2 each stash the Dense
+  # kernel their forward used, 64x128, 128x128 and 128x128 float32 weights.
+  assert r["stash_bytes_per_tick"]["weights"] == 4 * (64 * 128 + 2 * 128 * 128)
+  assert r["stash_bytes_per_tick"]["total"] > r["stash_bytes_per_tick"]["weights"]
+  assert r["stash_bytes_per_tick"]["per_stage"][-1] == 0  # the last stage keeps no ring
+  assert "kernels per tick" in capsys.readouterr().out
