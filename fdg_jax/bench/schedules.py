@@ -460,9 +460,10 @@ def bench_dispatch(args) -> list[dict]:
   the moves of the messages; for FDG also the SPMD engine: one program over the K devices
   per call, `step` being `run` with T = 1) and on one device (the fused engine: one
   program per call). With fewer than K devices (one GPU), the per-stage engine runs its K
-  calls per tick on the one device instead, with no messages to move. With --replicas R > 1, on an R x K (data, stage) mesh instead: the
-  per-stage engine (its calls span a stage's R devices) and the SPMD engine (one program
-  over the R x K devices); the batch is the global one, R times --dispatch_batch.
+  calls per tick on the one device instead, with no messages to move. With --replicas
+  R > 1, on an R x K (data, stage) mesh instead: the per-stage engine (its calls span a
+  stage's R devices) and the SPMD engine (one program over the R x K devices); the batch is
+  the global one, R times --dispatch_batch.
   """
   if args.dispatch_model == "tiny":
     name, kwargs, shape, batch_size = TINY
