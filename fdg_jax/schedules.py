@@ -34,9 +34,13 @@ order of ALGORITHMS.md. Three engines run those same functions:
 
 Whether a stage forwards or backwards at tick t (warm-up) is known from t: on the host the
 flags are Python booleans and select a compiled variant; inside a program whose ticks may
-lie in the pipeline fill they are traced and mask the state updates (a masked stage's state
-and messages stay as they were, bit for bit), so one program serves every tick and steady
-ticks never retrace.
+lie in the pipeline fill they are traced, so one program serves every tick and steady ticks
+never retrace. The fused engine gates a stage's work on traced flags in one of two ways
+(`gate`): "mask" computes the work and masks the state updates and messages (a masked
+stage's state and messages stay as they were, bit for bit); "cond" runs, under one
+conditional per stage and tick, the stage's work compiled for each flag combination it can
+meet, flags as Python booleans, and chains a tick's conditionals so that XLA runs them one
+after another (see `_GatedOps`).
 
 Each stage's parameters, optimizer state, model state and counters are kept packed into a
 few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with its leaves.
@@ -72,6 +76,7 @@ PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
 BACKWARD_POLICIES = ("stash", "recompute")
 ENGINES = ("auto", "fused", "per_stage", "spmd")
+GATES = ("mask", "cond")
 NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
 
 
@@ -138,7 +143,9 @@ class Schedule:
   platform's measured default, `compiler_options_for(platform)`; {}: XLA's own defaults).
   `ring_heads`: whether each stash ring of two slots or more keeps its head (see
   `_stage_with_ring`; None: where XLA is not known to update the rings in place without
-  one, that is, except on CPU with the default compiler options).
+  one, that is, except on CPU with the default compiler options). `gate`: how the fused
+  engine's programs gate a stage's work during the pipeline fill, "mask" or "cond" (None:
+  the measured default of the platform and model, see the `gate` property).
   The state is a pytree of device
   arrays plus a host integer `tick`; `step` and `run` consume (donate) the state they are
   given, so always continue from the state they return.
@@ -148,13 +155,17 @@ class Schedule:
                optimizer, *, beta: float = 1.0, backward: str = "stash",
                devices=None, mesh=None, metrics_fn: Callable | None = None,
                engine: str = "auto", scan: bool | None = None, telemetry: bool = False,
-               compiler_options: dict | None = None, ring_heads: bool | None = None):
+               compiler_options: dict | None = None, ring_heads: bool | None = None,
+               gate: str | None = None):
     if algorithm not in ALGORITHMS:
       raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if backward not in BACKWARD_POLICIES:
       raise ValueError(f"unknown backward policy {backward!r}; choose one of {BACKWARD_POLICIES}")
     if engine not in ENGINES:
       raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    if gate is not None and gate not in GATES:
+      raise ValueError(f"unknown gate {gate!r}; choose one of {GATES} (or None: the "
+                       "platform's default)")
     stages = list(stages)
     if not stages:
       raise ValueError("a schedule needs at least one stage")
@@ -187,6 +198,7 @@ class Schedule:
                          "or 'fused' with telemetry=True")
       self._spmd = spmd_lib.Engine(self)
     self._scan = scan
+    self._gate = gate
     self.compiler_options = (compiler_options_for(self.platform) if compiler_options is None
                              else dict(compiler_options))
     if ring_heads is None:  # the default options of this platform, or a head
@@ -208,6 +220,7 @@ class Schedule:
     self._ring_layouts: list = [None] * self.num_stages  # flat rings' slot layouts
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
+    self._gated_ops = _GatedOps(self)
     self._data_axis = None  # set while the SPMD engine traces a program over replicas
 
   # ------------------------------------------------------------------ properties
@@ -239,6 +252,30 @@ class Schedule:
     if self._scan is not None:
       return bool(self._scan)
     return not (self.platform == "cpu" and self._has_conv)
+
+  @property
+  def gate(self) -> str:
+    """How the fused engine gates a stage's work on traced flags: "mask" or "cond".
+
+    Default: "cond" for FDG on CPU with a model without convolutions, "mask" elsewhere. On
+    CPU the chained conditionals keep XLA:CPU from running FDG's four independent stage
+    works at once on its thread pool, which on the 2-core reference machine cost the
+    quick-start MLP's FDG K=4 loop over a tenth of its time, and they leave out the masking
+    selects (docs/results.md 3.9). DDG's stages mostly work in sequence within a tick: its
+    conditionals (the delayed backwards) measured slower than its masks. A conditional's
+    branches are nested computations, in which XLA:CPU runs backward convolutions slowly
+    (see `scan`). GPUs and TPUs keep masks (not measured there; a GPU conditional reads its
+    predicate back to the host).
+    """
+    if self._gate is not None:
+      return self._gate
+    cpu_dense = self.platform == "cpu" and not self._has_conv
+    return "cond" if self.algorithm == "fdg" and cpu_dense else "mask"
+
+  def _reachable_flags(self, k: int) -> list[tuple[bool, bool]]:
+    """The (forwards, backwards) combinations stage k meets over all ticks (the flags are
+    constant from the end of the pipeline fill on)."""
+    return sorted({self._flags(k, t) for t in range(self.fill_ticks + 1)})
 
   @property
   def platform(self) -> str:
@@ -390,9 +427,9 @@ class Schedule:
       act_out = (h, y, batch)
     return s, act_out, cot_out, updated
 
-  def _stage_with_ring(self, k, s, act, cot, do_fwd, do_bwd):
-    """`_stage_work` over a state whose stash is {"ring"} or {"ring", "head"}: the fused and
-    per-stage engines' stage work.
+  def _stage_with_ring(self, k, s, act, cot, do_fwd, do_bwd, work=None):
+    """`_stage_work` (or `work`, of the same signature) over a state whose stash is {"ring"}
+    or {"ring", "head"}: the fused and per-stage engines' stage work.
 
     The work reads the entry at slot pops % D and records the entry it writes (`RingView`);
     the engine writes it to slot pushes % D after the work. A read that the written entry
@@ -412,7 +449,8 @@ class Schedule:
     entry = s["stash"]["head"] if head else self._ring_load(k, ring, s["pops"] % D)
     write_at = s["pushes"] % D
     s = {**s, "stash": RingView(entry, self._ring_layouts[k])}
-    s, act_out, cot_out, updated = self._stage_work(k, s, act, cot, do_fwd, do_bwd)
+    work = self._stage_work if work is None else work
+    s, act_out, cot_out, updated = work(k, s, act, cot, do_fwd, do_bwd)
     if s["stash"].written is not None:
       assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
       entry, flag = s["stash"].written
@@ -490,6 +528,7 @@ class Schedule:
     updated: list = [None] * K
     metrics: dict = {}
     active = self._flags(K - 1, t)[0]
+    ops.begin_tick()
 
     def last(act):
       nonlocal metrics
@@ -500,8 +539,16 @@ class Schedule:
     if self.algorithm == "fdg":
       # Every stage reads only messages of tick t-1, and everything it sends is read at
       # t+1: the engine may move them all at once at the end of the tick.
+      # The engine may issue the stages in any order; `_GatedOps` issues them top down, so
+      # that each activation of tick t-1 is read before the one replacing it is made.
       outgoing = []  # (receiving stage, "act" | "cot", flag, message)
-      for k in range(K - 1):
+      for k in (reversed(range(K)) if ops.old_messages_first else range(K)):
+        if k == K - 1:
+          if active is not False:
+            cot = last(batch if K == 1 else inbox[K - 1]["act"])
+            if cot is not None:
+              outgoing.append((K - 2, "cot", active, cot))
+          continue
         do_fwd, do_bwd = self._flags(k, t)
         if do_fwd is False and do_bwd is False:
           continue
@@ -513,10 +560,6 @@ class Schedule:
           outgoing.append((k + 1, "act", do_fwd, act_out))
         if cot_out is not None:
           outgoing.append((k - 1, "cot", do_bwd, cot_out))
-      if active is not False:
-        cot = last(batch if K == 1 else inbox[K - 1]["act"])
-        if cot is not None:
-          outgoing.append((K - 2, "cot", active, cot))
       moved = ops.move_all([(k, m) for k, _, _, m in outgoing])
       for (k, kind, flag, _), m in zip(outgoing, moved):
         new_inbox[k][kind] = _select(flag, m, inbox[k][kind])
@@ -533,7 +576,9 @@ class Schedule:
       cot = last(act)
       if cot is not None:
         new_inbox[K - 2]["cot"] = ops.move(K - 2, cot)
-      for k in reversed(range(K - 1)):
+      # Any order (each reads a cotangent of tick t-1); `_GatedOps` issues them bottom up,
+      # so that each is read before the one replacing it is made.
+      for k in (range(K - 1) if ops.old_messages_first else reversed(range(K - 1))):
         do_bwd = self._flags(k, t)[1]  # stage k+1 sent a cotangent at tick t-1
         if do_bwd is False:
           continue
@@ -647,7 +692,8 @@ class Schedule:
     key = ("fused", num_ticks)
     if key in self._step_fns:
       return self._step_fns[key]
-    K, ops = self.num_stages, self._fused_ops
+    K = self.num_stages
+    ops = self._gated_ops if self.gate == "cond" else self._fused_ops
 
     def tick(stages, inbox, batch, t):
       return self._tick(stages, inbox, batch, t, ops)
@@ -1216,8 +1262,13 @@ def _with_heads(stages: list, heads: list) -> list:
 class _PerStageOps:
   """The per-stage engine: each stage's work a jitted call on its devices; explicit moves."""
 
+  old_messages_first = False  # see `_tick`: the order in which stages are issued
+
   def __init__(self, schedule: Schedule):
     self.schedule = schedule
+
+  def begin_tick(self):
+    pass
 
   def stage(self, k, do_fwd, do_bwd):
     return self.schedule._stage_fn(k, do_fwd, do_bwd)
@@ -1235,10 +1286,17 @@ class _PerStageOps:
 
 
 class _FusedOps:
-  """The fused engine: each stage's work traced into one program; messages stay put."""
+  """The fused engine: each stage's work traced into one program; messages stay put.
+
+  Traced flags mask the work's effects (`gate="mask"`)."""
+
+  old_messages_first = False
 
   def __init__(self, schedule: Schedule):
     self.schedule = schedule
+
+  def begin_tick(self):
+    pass
 
   def stage(self, k, do_fwd, do_bwd):
     return functools.partial(self.schedule._stage_with_ring, k, do_fwd=do_fwd, do_bwd=do_bwd)
@@ -1251,6 +1309,182 @@ class _FusedOps:
 
   def move_all(self, messages):
     return [m for _, m in messages]
+
+
+class _GatedOps(_FusedOps):
+  """The fused engine gating by conditionals (`gate="cond"`).
+
+  A stage whose flags are traced runs its work under `lax.switch` over the flag
+  combinations it can meet (`Schedule._reachable_flags`), each branch the work traced with
+  those flags as Python booleans: no masking selects, and no work in a branch that has none.
+  Branches that send no message return zeros in its place (the tick keeps the old message
+  where the flag is off).
+
+  The stages' works are chained: each gated stage's first reads (its counters, the switch
+  index) are made to depend on a token read off what the previous one wrote last (its ring,
+  or its counters), a test that is always true but that XLA cannot fold. XLA:CPU then runs
+  a tick's stages one after another instead of spreading their independent kernels over its
+  thread pool, which on a small machine slows each of them more than it overlaps them. The
+  stages issue in the order that reads each message of tick t-1 before the one replacing it
+  is made (else XLA copies the new one).
+  """
+
+  old_messages_first = True
+
+  def __init__(self, schedule: Schedule):
+    super().__init__(schedule)
+    self._token = None  # always True, read off what the tick's previous gated stage wrote
+
+  def begin_tick(self):
+    self._token = None
+
+  def _chained(self, value):
+    """`value`, computed after the tick's previous gated stage."""
+    if self._token is None:
+      return value
+    return jnp.where(self._token, value, jnp.zeros_like(value))
+
+  def stage(self, k, do_fwd, do_bwd):
+    if isinstance(do_fwd, bool) and isinstance(do_bwd, bool):
+      return super().stage(k, do_fwd, do_bwd)
+
+    def call(s, act, cot):
+      s = {**s, "pops": self._chained(s["pops"])}  # the ring's read follows the chain
+      out = self.schedule._stage_with_ring(k, s, act, cot, do_fwd, do_bwd, work=self._switched)
+      written = jax.tree.leaves(out[0]["stash"]["ring"]) or [out[0]["pushes"]]
+      self._token = functools.reduce(jnp.logical_and, map(_always_true, written))
+      return out
+    return call
+
+  def _switched(self, k, s, act, cot, do_fwd, do_bwd):
+    """`_stage_work` under a switch over stage k's flag combinations. The ring stays outside
+    the conditional (`_stage_with_ring` reads the entry before it and writes the new one
+    after it, masked by the forward's flag): a ring a branch updated would be copied whole
+    into the conditional's result."""
+    schedule, view = self.schedule, s["stash"]
+    base = {name: v for name, v in s.items() if name != "stash"}
+    traced = [not isinstance(f, bool) for f in (do_fwd, do_bwd)]
+    combos = sorted({(f if traced[0] else do_fwd, b if traced[1] else do_bwd)
+                     for f, b in schedule._reachable_flags(k)})
+
+    def branch(f, b):
+      def work(base, head, act, cot):
+        s, act_out, cot_out, updated = schedule._stage_work(
+            k, {**base, "stash": RingView(head, view.slot)}, act if f else None,
+            cot if b else None, f, b)
+        written = s.pop("stash").written
+        return s, act_out, cot_out, updated, None if written is None else written[0]
+      return work
+
+    branches = [branch(f, b) for f, b in combos]
+    args = (base, view.head, act, cot)
+    specs = [jax.eval_shape(fn, *args) for fn in branches]
+    # (state, activation out, cotangent out, batch updated, entry written): what a branch
+    # does not send or write is zeros, a branch that applies no gradient updated NO_UPDATE.
+    fills = {i: next((sp[i] for sp in specs if sp[i] is not None), None) for i in (1, 2, 3, 4)}
+
+    def uniform(fn):
+      def g(*args):
+        out = list(fn(*args))
+        for i, spec in fills.items():
+          if out[i] is None and spec is not None:
+            value = NO_UPDATE if i == 3 else 0
+            out[i] = jax.tree.map(lambda a: jnp.full(a.shape, value, a.dtype), spec)
+        return tuple(out)
+      return g
+
+    if len(branches) == 1:
+      out = uniform(branches[0])(*args)
+    else:
+      index = 0
+      for i, (f, b) in enumerate(combos):
+        match = jnp.logical_and(do_fwd == f if traced[0] else True,
+                                do_bwd == b if traced[1] else True)
+        index = jnp.where(match, i, index)
+      # a message or written entry is used only where its flag is on
+      used = [(True, f, b, True, f) for f, b in combos]
+      out = _switch(self._chained(index), [uniform(fn) for fn in branches], args, used)
+    s, act_out, cot_out, updated, entry = out
+    s["stash"] = RingView(view.head, view.slot, None if entry is None else (entry, do_fwd))
+    return s, act_out, cot_out, updated
+
+  def last(self, active):
+    if isinstance(active, bool):
+      return super().last(active)
+    schedule = self.schedule
+
+    def call(s, act):
+      s = {**s, "pushes": self._chained(s["pushes"])}
+      on = lambda s, act: schedule._last_work(s, act, True)
+      _, cot_spec, metrics_spec = jax.eval_shape(on, s, act)
+      zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+      off = lambda s, act: (s, zeros(cot_spec), zeros(metrics_spec))
+      out = _switch(self._chained(jnp.asarray(active, jnp.int32)), [off, on], (s, act),
+                    [(True, False, False), (True, True, True)])
+      self._token = _always_true(out[0]["pushes"])
+      return out
+    return call
+
+
+def _always_true(x):
+  """A boolean scalar that is True whatever `x` holds, computed from x's first element by
+  integer operations XLA does not fold: a dependency on `x` for what it selects."""
+  v = jnp.ravel(x)[0]
+  if jnp.issubdtype(v.dtype, jnp.floating):
+    v = jax.lax.bitcast_convert_type(v, jnp.dtype(f"int{8 * v.dtype.itemsize}"))
+  elif not jnp.issubdtype(v.dtype, jnp.integer):
+    v = v.astype(jnp.int32)
+  return (v | 1) != 0
+
+
+def _switch(index, branches, args: tuple, used):
+  """`lax.switch(index, branches, *args)`, without passing through the conditional what
+  its branches merely pass on.
+
+  XLA gives a conditional's results buffers of their own: it copies into them every operand
+  a branch returns unchanged, and every value a branch returns twice (FDG's stash entry
+  holds the weights the stage's state also returns). Every branch returns a tuple of parts
+  of one structure; `used[i][part]` says whether branch i's part is used (a message is used
+  only where its flag is on). An output leaf is left out of the conditional where every
+  branch whose part is used returns the same operand, or the same value as an earlier
+  output leaf; it is taken from there after the switch.
+  """
+  sources = []  # per branch, per output leaf: ("in", operand leaf) | ("out", leaf) | None
+
+  def probe(fn):
+    def run(*a):
+      inputs = {id(x): j for j, x in enumerate(jax.tree.leaves(a))}
+      out = fn(*a)
+      seen, src = {}, []
+      for p, x in enumerate(jax.tree.leaves(out)):
+        src.append(("out", seen[id(x)]) if id(x) in seen else
+                   ("in", inputs[id(x)]) if id(x) in inputs else None)
+        seen.setdefault(id(x), p)
+      sources.append(src)
+      return out
+    return run
+
+  shapes = [jax.eval_shape(probe(fn), *args) for fn in branches]
+  tree = jax.tree.structure(shapes[0])
+  part_of = [i for i, part in enumerate(shapes[0]) for _ in jax.tree.leaves(part)]
+  dropped = {}
+  for p, part in enumerate(part_of):
+    seen = {sources[i][p] for i in range(len(branches)) if used[i][part]}
+    if len(seen) == 1 and None not in seen:
+      dropped[p] = seen.pop()
+
+  def lean(fn):
+    return lambda *a: [x for p, x in enumerate(jax.tree.leaves(fn(*a))) if p not in dropped]
+
+  kept = iter(jax.lax.switch(index, [lean(fn) for fn in branches], *args))
+  inputs, full = jax.tree.leaves(args), []
+  for p in range(len(part_of)):
+    if p in dropped:
+      kind, j = dropped[p]
+      full.append(inputs[j] if kind == "in" else full[j])
+    else:
+      full.append(next(kept))
+  return jax.tree.unflatten(tree, full)
 
 
 def _unstack(tree, num: int) -> list:

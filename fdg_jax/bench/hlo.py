@@ -6,6 +6,8 @@ is a first measure of a tick's fixed cost on CPU, beside the bytes it moves.
 
     text = jax.jit(f).lower(*args).compile().as_text()
     loop_kernels(text)  # Counter({'fusion': 99, 'dot': 5})
+
+A conditional is one kernel more, plus the kernels of the branch it runs.
 """
 
 from __future__ import annotations
@@ -66,7 +68,33 @@ def loop_body(text: str) -> str:
   return max(bodies, key=lambda b: len(comps[b]))
 
 
+def branches(instruction: str) -> list[str]:
+  """The branch computations of a `conditional` instruction line (else [])."""
+  if "branch_computations={" in instruction:
+    names = instruction.split("branch_computations={", 1)[1].split("}", 1)[0].split(",")
+  else:
+    names = [instruction.split(key, 1)[1].split(",", 1)[0].split("}", 1)[0]
+             for key in ("true_computation=", "false_computation=") if key in instruction]
+  return [n.strip().lstrip("%") for n in names]
+
+
+def kernels(comps: dict[str, list[str]], name: str) -> collections.Counter:
+  """Opcode counts of the instructions computation `name` runs as kernels. A conditional
+  counts as one, plus the kernels of its largest branch (a tick past the pipeline fill runs
+  the branch with all of a stage's work)."""
+  counts = collections.Counter()
+  for line in comps[name]:
+    op = opcode(line)
+    if op in BOOKKEEPING:
+      continue
+    counts[op] += 1
+    if op == "conditional":
+      counts += max((kernels(comps, b) for b in branches(line)),
+                    key=lambda c: sum(c.values()), default=collections.Counter())
+  return counts
+
+
 def loop_kernels(text: str) -> collections.Counter:
-  """Opcode counts of the instructions one iteration of the entry's loop runs as kernels."""
-  body = computations(text)[loop_body(text)]
-  return collections.Counter(op for op in map(opcode, body) if op not in BOOKKEEPING)
+  """Opcode counts of the instructions one iteration of the entry's loop runs as kernels
+  (see `kernels`)."""
+  return kernels(computations(text), loop_body(text))
