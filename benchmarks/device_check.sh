@@ -12,7 +12,9 @@
 #                  per-stage `step` (on one GPU, its 4 stages' calls on that GPU), the fused
 #                  engine, and the SPMD program last (its compile time is not known)
 #   overhead_*     one device, FDG K=4 over BP K=1 per sample: quick-start MLP, ResNet-20 in
-#                  float32 and bfloat16; the quick start also with XLA:GPU's copy insertion
+#                  float32 and bfloat16; the quick start (through `run`) with its stages
+#                  gated by masks and by chained conditionals (`Schedule.gate`; on CPU the
+#                  conditionals are the default), each also with XLA:GPU's copy insertion
 #                  with region analysis, side by side (on CPU its twin is the default, and
 #                  lets the stash rings drop their heads: docs/results.md 3.9)
 # (Stash memory is exact on any machine: `python -m fdg_jax.bench memory` needs no accelerator.)
@@ -51,6 +53,7 @@ run overhead_resnet20_f32 overhead "${RESNET20[@]}" --dtype float32
 run overhead_resnet20_bf16 overhead "${RESNET20[@]}" --dtype bfloat16
 run dispatch_tiny dispatch --stages 4 --algorithms bp ddg fdg --repeats 3
 run overhead_quickstart overhead "${QUICKSTART[@]}" --ticks 64 --repeats 5 \
+    --algorithms fdg --paths run --gates mask cond \
     --compiler_options default '{"xla_gpu_copy_insertion_use_region_analysis": true}'
 run dispatch_resnet110_spmd dispatch --dispatch_model resnet110 --dispatch_batch 2 \
     --split balanced --stages 4 --algorithms fdg --dispatch_ticks 64 --run_ticks 32 \

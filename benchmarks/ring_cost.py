@@ -4,7 +4,9 @@
 
 Times, side by side and interleaved (`fdg_jax.bench.schedules.time_interleaved`), the
 quick-start MLP (4x128, digits' shapes) as BP K=1, BP K=4 and FDG K=4 (`stash`, T = 32 ticks
-per call), and FDG K=4 compiled with parts of the ring's work taken out:
+per call, the platform's default gate: on CPU chained conditionals), FDG K=4 gated by masks
+and by conditionals left unchained (`Schedule.gate`, `schedules._GatedOps`), and FDG K=4
+compiled with parts of the ring's work taken out:
 
   no ring write        the entry a forward stashes is not written to the ring at all
   unmasked write       written without the warm-up mask (no select against the old slot)
@@ -12,13 +14,13 @@ per call), and FDG K=4 compiled with parts of the ring's work taken out:
                        which a slot keeps for the delayed backward) replaced by zeros: the
                        same writes, without reading the parameters
   largest leaf unwritten  every leaf of the entry written but that one
-  static read          the slot read at a fixed offset instead of pops % D
+  static read          the slot read at offset 0 instead of pops % D
   constants stored     every residual of the vjp stored, the constants too (as before
                        `stages.Residuals`: ReLU's vjp keeps an array of zeros per layer);
                        this variant computes the right gradients
 
-Those variants compute wrong gradients: they exist only to time what each part of the ring
-costs; nothing else uses them. Prints µs per sample and the ratio to BP K=1 (median
+Those variants (not the gates) compute wrong gradients: they exist only to time what each
+part of the ring costs; nothing else uses them. Prints µs per sample and the ratio to BP K=1 (median
 [min, max] of the per-repetition ratios), the kernels one tick of each compiled loop runs
 (`fdg_jax.bench.hlo.loop_kernels`: XLA:CPU runs each as its own kernel), and the bytes
 FDG K=4 writes to its stash rings per tick, weights apart; `--out` also writes them as JSON.
@@ -92,10 +94,21 @@ def _constants_stored(self, k, a_spec):
 
 
 def _static_read(self, k, ring, slot):
-  return ORIGINAL["_ring_load"](self, k, ring, 0)
+  import jax.numpy as jnp
+  # slot 0 (slot >= 0), still computed from the slot: with chained conditionals (the CPU
+  # default) the read keeps its place in the chain (`schedules._GatedOps`)
+  return ORIGINAL["_ring_load"](self, k, ring, jnp.minimum(slot, 0))
+
+
+def _unchained(self, value):
+  return value
 
 
 ORIGINAL: dict = {}
+GATES = {
+    "FDG K=4, masks": ({"gate": "mask"}, {}),
+    "FDG K=4, conditionals unchained": ({"gate": "cond"}, {"_GatedOps._chained": _unchained}),
+}
 VARIANTS = {
     "no ring write": {"_ring_store": _no_write},
     "unmasked write": {"_ring_store": _unmasked_write},
@@ -138,17 +151,21 @@ def stash_written(schedule, params) -> dict:
 
 @contextlib.contextmanager
 def patched(methods: dict):
-  """`Schedule` with `methods` replaced while a schedule is built and compiled."""
-  from fdg_jax.schedules import Schedule
-  for name in ("_ring_store", "_ring_load", "_entry_and_output"):
-    ORIGINAL.setdefault(name, getattr(Schedule, name))
+  """`Schedule` (or, for a "Class.name" key, that class of `fdg_jax.schedules`) with
+  `methods` replaced while a schedule is built and compiled."""
+  from fdg_jax import schedules
+  where = lambda name: ((getattr(schedules, name.split(".")[0]), name.split(".")[1])
+                        if "." in name else (schedules.Schedule, name))
+  for name in ("_ring_store", "_ring_load", "_entry_and_output", "_GatedOps._chained",
+               *methods):
+    ORIGINAL.setdefault(name, getattr(*where(name)))
   try:
     for name, fn in methods.items():
-      setattr(Schedule, name, fn)
+      setattr(*where(name), fn)
     yield
   finally:
     for name, fn in ORIGINAL.items():
-      setattr(Schedule, name, fn)
+      setattr(*where(name), fn)
 
 
 def main(argv=None) -> dict:
@@ -157,13 +174,17 @@ def main(argv=None) -> dict:
   model = B.build_model("mlp", {"widths": [128] * 4}, (8, 8, 1))
   one, four = (B.build_stages(model, K, "uniform", args.batch_size)[1:] for K in (1, 4))
   batch = B.random_batch(model, args.batch_size)
-  configs = [("BP K=1", "bp", one, {}), ("BP K=4", "bp", four, {}), ("FDG K=4", "fdg", four, {})]
-  configs += [(f"FDG K=4, {name}", "fdg", four, methods) for name, methods in VARIANTS.items()]
+  configs = [("BP K=1", "bp", one, {}, {}), ("BP K=4", "bp", four, {}, {}),
+             ("FDG K=4", "fdg", four, {}, {})]
+  configs += [(name, "fdg", four, methods, kwargs)
+              for name, (kwargs, methods) in GATES.items()]
+  configs += [(f"FDG K=4, {name}", "fdg", four, methods, {})
+              for name, methods in VARIANTS.items()]
   entries, kernels = [], []
-  for _, algorithm, (stages, params, states), methods in configs:
+  for _, algorithm, (stages, params, states), methods, kwargs in configs:
     with patched(methods):  # compiled here, so the program keeps the variant
-      entries.append(B.prepare(B.make_schedule(algorithm, stages), params, states, batch,
-                               run_ticks=args.run_ticks))
+      entries.append(B.prepare(B.make_schedule(algorithm, stages, **kwargs), params, states,
+                               batch, run_ticks=args.run_ticks))
       kernels.append(loop_kernels(entries[-1]))
   times = B.time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   base = np.asarray(times[0]["step"])
@@ -172,13 +193,14 @@ def main(argv=None) -> dict:
         f"{args.repeats} interleaved repetitions of {args.ticks} ticks")
   print(f"{'configuration':34s} {'µs/sample':>9s}  {'× BP K=1, median [min, max]':28s} "
         "kernels per tick")
-  for (name, *_), t, kern in zip(configs, times, kernels):
+  for (name, algorithm, *_), entry, t, kern in zip(configs, entries, times, kernels):
     step = np.asarray(t["step"])
     ratio = step / base
     rows.append({"configuration": name, "us_per_sample": 1e6 * float(np.median(step))
                  / args.batch_size, "ratio": [float(np.median(ratio)), float(ratio.min()),
                                               float(ratio.max())],
-                 "kernels_per_tick": dict(kern)})
+                 "kernels_per_tick": dict(kern),
+                 "gate": entry["schedule"].gate if algorithm != "bp" else None})
     print(f"{name:34s} {rows[-1]['us_per_sample']:9.2f}  {rows[-1]['ratio'][0]:.3f} "
           f"[{ratio.min():.3f}, {ratio.max():.3f}]{'':8s} {sum(kern.values()):4d}")
   fdg = entries[2]["schedule"]

@@ -1351,8 +1351,8 @@ class _GatedOps(_FusedOps):
     def call(s, act, cot):
       s = {**s, "pops": self._chained(s["pops"])}  # the ring's read follows the chain
       out = self.schedule._stage_with_ring(k, s, act, cot, do_fwd, do_bwd, work=self._switched)
-      written = jax.tree.leaves(out[0]["stash"]["ring"]) or [out[0]["pushes"]]
-      self._token = functools.reduce(jnp.logical_and, map(_always_true, written))
+      last = jax.tree.leaves(out[0]["stash"]["ring"]) + [out[0]["pushes"]]
+      self._token = functools.reduce(jnp.logical_and, map(_always_true, last))
       return out
     return call
 

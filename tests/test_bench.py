@@ -166,19 +166,23 @@ def test_bench_all_writes_expected_json(bench_result):
     assert 0 < cpu["min"] and cpu["max"] <= per_stage["max"] + 1e-6
 
 
-def test_overhead_times_compiler_option_variants_side_by_side(tmp_path, capsys):
+def test_overhead_times_compiler_option_and_gate_variants_side_by_side(tmp_path, capsys):
   out = tmp_path / "overhead.json"
   bench.run(bench.parse_args([
       "overhead", "--model_kwargs", '{"widths": [16, 16]}', "--input_shape", "8", "8", "1",
       "--batch_size", "8", "--stages", "2", "--algorithms", "fdg", "--ticks", "2",
       "--repeats", "1", "--paths", "run", "--run_ticks", "2",
-      "--compiler_options", "default", "{}", "--out", str(out)]))
+      "--compiler_options", "default", "{}", "--gates", "mask", "cond", "--out", str(out)]))
   with open(out) as f:
     rows = json.load(f)["overhead"]
   assert [(r["compiler_options"], r["algorithm"], r["num_stages"]) for r in rows][::4] == [
-      ("default", "bp", 1), ("{}", "bp", 1)] and len(rows) == 8
+      ("default", "bp", 1)] * 2 + [("{}", "bp", 1)] * 2 and len(rows) == 16
+  assert [r.get("gate") for r in rows[:8]] == [None, "–", "mask", "mask",
+                                               None, "–", "cond", "cond"]
   assert all(_positive_finite(r["ratio_vs_bp"]) for r in rows)
-  assert "| run T=2 | {} | FDG | 2 |" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "| run T=2 | {} | cond | FDG | 2 |" in printed
+  assert "| run T=2 | default | mask | FDG | 2 |" in printed
 
 
 def test_memory_matches_residual_sizes(bench_result):
@@ -409,6 +413,14 @@ def test_ring_cost_counts_kernels_and_the_weights_a_stash_writes(tmp_path, capsy
   kernels = {name: sum(row["kernels_per_tick"].values()) for name, row in rows.items()}
   assert kernels["FDG K=4"] > kernels["BP K=4"] > kernels["BP K=1"]
   assert kernels["FDG K=4, no ring write"] < kernels["FDG K=4"]
+  # The gates: the default (chained conditionals on CPU), masks, unchained conditionals. A
+  # conditional counts its largest branch's kernels: all of a stage's work.
+  gates = {name: row["gate"] for name, row in rows.items()}
+  assert gates["FDG K=4, masks"] == "mask" and gates["FDG K=4, conditionals unchained"] == "cond"
+  assert gates["FDG K=4"] == ("cond" if jax.default_backend() == "cpu" else "mask")
+  assert "conditional" not in rows["FDG K=4, masks"]["kernels_per_tick"]
+  assert rows["FDG K=4, conditionals unchained"]["kernels_per_tick"]["conditional"] == 4
+  assert kernels["FDG K=4, conditionals unchained"] > kernels["BP K=4"]
   # The quick-start MLP (64 -> 4 x 128) split uniformly: stages 0-2 each stash the Dense
   # kernel their forward used, 64x128, 128x128 and 128x128 float32 weights.
   assert r["stash_bytes_per_tick"]["weights"] == 4 * (64 * 128 + 2 * 128 * 128)

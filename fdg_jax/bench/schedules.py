@@ -192,10 +192,10 @@ def _first_place(where: dict):
 
 
 def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="auto",
-                  compiler_options=None, mesh=None):
+                  compiler_options=None, mesh=None, gate=None):
   import fdg_jax
   kwargs = {"devices": devices, "engine": engine, "compiler_options": compiler_options,
-            "mesh": mesh}
+            "mesh": mesh, "gate": gate}
   if algorithm != "bp":
     kwargs["backward"] = backward
   return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), **kwargs)
@@ -399,8 +399,8 @@ def bench_overhead(args, model) -> list[dict]:
   Ks = [k for k in args.stages if k > 1]
   split = {K: build_stages(model, K, args.split, args.batch_size) for K in Ks}
   rows, entries, bases = [], [], []
-  for (path, T), (label, options) in itertools.product(_paths(args),
-                                                       _compiler_options(args)):
+  for (path, T), (label, options), gate in itertools.product(
+      _paths(args), _compiler_options(args), args.gates):
     base = len(entries)
     common = {"path": path, "compiler_options": label}
     rows.append({"algorithm": "bp", "num_stages": 1, "backward": None, **common})
@@ -413,9 +413,12 @@ def bench_overhead(args, model) -> list[dict]:
                                    for p in POLICIES]
       for algorithm, policy in variants:
         schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None,
-                                 compiler_options=options)
+                                 compiler_options=options,
+                                 gate=None if gate == "default" else gate)
         entries.append(prepare(schedule, params, states, batch, run_ticks=T))
-        rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy, **common})
+        # BP has no traced flags: nothing to gate
+        rows.append({"algorithm": algorithm, "num_stages": K, "backward": policy, **common,
+                     "gate": schedule.gate if algorithm != "bp" else "–"})
         bases.append(base)
   times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   for row, t, base in zip(rows, times, bases):
@@ -425,7 +428,8 @@ def bench_overhead(args, model) -> list[dict]:
                ratio_vs_bp=statistics.median(ratios), ratio_vs_bp_spread=spread(ratios),
                # Fastest over fastest: the least disturbed repetitions of a shared machine.
                ratio_of_minima=min(t["step"]) / min(b))
-    _progress(f"overhead {row['path']} {row['compiler_options']} {row['algorithm']} "
+    _progress(f"overhead {row['path']} {row['compiler_options']} {row.get('gate', '')} "
+              f"{row['algorithm']} "
               f"K={row['num_stages']} "
               f"{row['backward'] or ''}: x{row['ratio_vs_bp']:.3f}")
   del entries
@@ -433,15 +437,19 @@ def bench_overhead(args, model) -> list[dict]:
 
 
 def overhead_table(rows) -> str:
-  # The compiler-options column only where rows differ in it.
+  # The compiler-options column only where rows differ in it; the gate where one is set.
   options = len({r.get("compiler_options", "default") for r in rows}) > 1
+  gates = any("gate" in r for r in rows)
   lines = ["| path | " + ("compiler options | " if options else "") +
+           ("gate | " if gates else "") +
            "algorithm | K | backward | µs per sample, median [min, max] | "
            "× BP K=1 (same path), median [min, max] | × BP K=1, min / min |",
-           "|---|---|---|---|---|---|---|" + ("---|" if options else "")]
+           "|---|---|---|---|---|---|---|" + ("---|" if options else "") +
+           ("---|" if gates else "")]
   for r in rows:
     s, q = r["time_per_sample_s"], r["ratio_vs_bp_spread"]
     col = f" {r.get('compiler_options', 'default')} |" if options else ""
+    col += f" {r.get('gate', '–')} |" if gates else ""
     lines.append(f"| {r.get('path', 'step')} |{col} {r['algorithm'].upper()} | "
                  f"{r['num_stages']} | "
                  f"{r['backward'] or '–'} | "
@@ -917,6 +925,10 @@ def parse_args(argv=None):
                       help="overhead: XLA options of the schedules' programs, each variant "
                       "timed side by side: 'default' (the platform's) or JSON, e.g. '{}' "
                       "for XLA's own")
+  parser.add_argument("--gates", nargs="+", default=["default"],
+                      choices=("default", "mask", "cond"),
+                      help="overhead: how the fused engine gates DDG's and FDG's stages during "
+                      "the pipeline fill (Schedule's gate), each timed side by side")
   parser.add_argument("--pin_host", action="store_true",
                       help="dispatch, on CPU: time with the calling thread alone on one core "
                       "and the runtime's threads on the others (Linux), so that device work "
