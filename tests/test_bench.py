@@ -401,6 +401,38 @@ def test_loop_kernels_counts_what_one_iteration_runs():
     hlo.loop_kernels(jax.jit(jnp.sin).lower(x).compile().as_text())
 
 
+def test_loop_kernels_count_a_conditional_with_its_largest_branch():
+  from fdg_jax.bench import hlo
+
+  def heavy(x, ws):
+    for w in ws:
+      x = jnp.tanh(x @ w)
+    return x
+
+  def program(gated):
+    def body(i, carry):
+      x, ws = carry
+      if gated:  # the heavy branch, or nothing
+        x = jax.lax.cond(i % 2 == 0, heavy, lambda x, ws: x, x, ws)
+      else:
+        x = heavy(x, ws)
+      return x, ws
+    return jax.jit(lambda x, ws: jax.lax.fori_loop(0, 3, body, (x, ws))[0])
+
+  x = jnp.ones((4, 8))
+  ws = tuple(jnp.eye(8) * (i + 1) for i in range(3))
+  plain, gated = (hlo.loop_kernels(program(g).lower(x, ws).compile().as_text())
+                  for g in (False, True))
+  assert gated["conditional"] == 1 and "conditional" not in plain
+  assert gated["dot"] + gated["fusion"] >= plain["dot"] + plain["fusion"] - 1
+  assert sum(gated.values()) > sum(plain.values())
+  assert hlo.branches("%c = f32[4]{0} conditional(%i, %a, %b), "
+                      "branch_computations={%br_0, %br_1.clone}") == ["br_0", "br_1.clone"]
+  assert hlo.branches("%c = f32[] conditional(%p, %a, %b), true_computation=%t, "
+                      "false_computation=%f, metadata={}") == ["t", "f"]
+  assert hlo.branches("%a = f32[] add(%x, %y)") == []
+
+
 def test_ring_cost_counts_kernels_and_the_weights_a_stash_writes(tmp_path, capsys):
   spec = importlib.util.spec_from_file_location("ring_cost", ROOT / "benchmarks" /
                                                 "ring_cost.py")

@@ -449,6 +449,65 @@ def test_fused_loop_carries_a_tick_state_without_copies_on_cpu():
   assert len(copies["cond"]) <= len(jax.tree.leaves(state["inbox"])), copies
 
 
+def test_switch_returns_what_its_branches_pass_on_from_outside_the_conditional():
+  """`schedules._switch` leaves out of the conditional an output every branch whose part is
+  used returns unchanged from an operand or as an earlier output; the values are those of
+  `lax.switch` where used."""
+  from fdg_jax.schedules import _switch
+  x, y = jnp.arange(3.0), jnp.arange(3.0) + 10
+  branches = [lambda x, y: (x, jnp.zeros(3), y),            # part 1 unused here
+              lambda x, y: (x, 2 * y, y),
+              lambda x, y: (x, x, y)]
+  used = [(True, False, True), (True, True, True), (True, True, True)]
+
+  def check(index):
+    seen = {}
+
+    def f(x, y, index):
+      out = _switch(index, branches, (x, y), used)
+      seen["x passed"] = out[0] is x  # left out: every branch passes x on
+      seen["y passed"] = out[2] is y
+      return out
+    out = jax.jit(f)(x, y, index)
+    ref = jax.lax.switch(index, branches, x, y)
+    for got, want, part in zip(out, ref, range(3)):
+      if used[index][part]:
+        np.testing.assert_array_equal(got, want)
+    return seen
+
+  assert check(1) == {"x passed": True, "y passed": True}
+  check(0)
+  check(2)
+  # A value returned twice leaves the conditional once; an operand a used branch changes
+  # stays in it.
+  twice = [lambda x, y: (lambda z: (z, z))(x + 1), lambda x, y: (y, y)]
+  seen = {}
+
+  def g(x, y, index):
+    out = _switch(index, twice, (x, y), [(True, True), (True, True)])
+    seen["second is first"] = out[1] is out[0]
+    return out
+  for i, want in ((0, x + 1), (1, y)):
+    a, b = jax.jit(g)(x, y, i)
+    np.testing.assert_array_equal(a, want)
+    np.testing.assert_array_equal(b, want)
+  assert seen["second is first"]
+
+
+def test_always_true_is_true_for_any_value_and_not_folded():
+  """The chain of `_GatedOps` rests on a test XLA cannot prove: were it folded, the stages
+  would no longer be ordered (their results would not change: only their speed)."""
+  from fdg_jax.schedules import _always_true
+  values = [np.float32(np.nan), np.float32(-np.inf), np.float32(-0.0), np.float16(-1),
+            np.int32(np.iinfo(np.int32).min), np.int32(0), np.bool_(False),
+            jnp.bfloat16(-3.0)]
+  for v in values:
+    assert bool(jax.jit(_always_true)(jnp.asarray([v]))), v
+  text = jax.jit(lambda x, a, b: jnp.where(_always_true(x), a, b)).lower(
+      jnp.zeros(2), jnp.ones(3), jnp.zeros(3)).compile().as_text()
+  assert "select" in text
+
+
 def per_replica(apply, R):
   """`apply` over R equal parts of the batch, each with its own BatchNorm statistics and
   dropout key (the stage's key folded with the part's index), the new model states
