@@ -71,6 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                # per_stage (a device per stage) | spmd (FDG: one program
                                # over a device per stage, or the replicas x stages mesh);
                                # auto: fused on CPU, per_stage on K accelerators
+  c.gate = "auto"              # auto | mask | cond: how the fused engine gates DDG's and
+                               # FDG's stages during the pipeline fill (Schedule.gate; auto:
+                               # cond for FDG on CPU with small ticks, as here, else mask)
   c.ticks_per_call = 32        # ticks run by one schedule.run call (fewer at log, eval and
                                # checkpoint boundaries)
   c.num_replicas = 1           # data-parallel replicas of the pipeline (DP x FDG)

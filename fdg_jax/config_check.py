@@ -88,6 +88,8 @@ def validate_fields(config) -> None:
             f"{config.algorithm}")
     if config.get("telemetry_every_steps", 0) > 0:
       _fail("engine=spmd has no staleness telemetry; use --config.engine=per_stage or fused")
+  if config.get("gate", "auto") not in ("auto", "mask", "cond"):
+    _fail(f"unknown gate {config.gate!r}; use --config.gate=auto|mask|cond")
   workers = config.get("data_workers", 0)
   if not isinstance(workers, int) or workers < 0:
     _fail(f"data_workers={workers} must be an integer >= 0 (0: decode in this process)")

@@ -78,6 +78,11 @@ BACKWARD_POLICIES = ("stash", "recompute")
 ENGINES = ("auto", "fused", "per_stage", "spmd")
 GATES = ("mask", "cond")
 NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
+# The largest training forward (FLOPs, one stage, one tick) for which FDG's fused programs
+# on CPU gate their stages with chained conditionals by default (`Schedule.gate`): the
+# quick-start MLP's stages do 0.5-1.1 MFLOP and gain; MLPs of 4.2-17 MFLOP neither gain nor
+# lose, and larger ticks may lose (docs/results.md 3.11).
+COND_GATE_MAX_FLOPS = 3e6
 
 
 def classification_metrics(outputs, labels) -> dict:
@@ -210,6 +215,7 @@ class Schedule:
     self._stash_residuals: list = [None] * self.num_stages  # `stages.Residuals`
     self._batch_spec = None
     self._has_conv = None
+    self._flops = None  # `_forward_flops`
     self._metrics_shapes = None
     self._step_fns: dict = {}
     self._eval_fns: dict = {}
@@ -257,20 +263,46 @@ class Schedule:
   def gate(self) -> str:
     """How the fused engine gates a stage's work on traced flags: "mask" or "cond".
 
-    Default: "cond" for FDG on CPU with a model without convolutions, "mask" elsewhere. On
-    CPU the chained conditionals keep XLA:CPU from running FDG's four independent stage
-    works at once on its thread pool, which on the 2-core reference machine cost the
-    quick-start MLP's FDG K=4 loop over a tenth of its time, and they leave out the masking
-    selects (docs/results.md 3.9). DDG's stages mostly work in sequence within a tick: its
-    conditionals (the delayed backwards) measured slower than its masks. A conditional's
-    branches are nested computations, in which XLA:CPU runs backward convolutions slowly
-    (see `scan`). GPUs and TPUs keep masks (not measured there; a GPU conditional reads its
-    predicate back to the host).
+    Default: "cond" for FDG on CPU where the ticks are small (no convolution, and no stage's
+    training forward above `COND_GATE_MAX_FLOPS`), "mask" elsewhere. On a small tick the
+    chained conditionals keep XLA:CPU from spreading the stages' independent kernels over
+    its thread pool, which costs more than the overlap gains: the quick-start MLP's FDG K=4
+    loop takes 1.22-1.25x BP K=1's time per sample with them, 1.35-1.47x with masks, on the
+    2-core reference machine (docs/results.md 3.11). On larger ticks the overlap pays:
+    a GPT of width 128 at batch 16 x 128 tokens ran 1.25x slower with them, and MLPs of 4.2
+    to 67 MFLOP per stage forward within -13% and +1%. DDG's stages mostly work in sequence
+    within a tick: its conditionals (the delayed backwards) measured slower than its masks.
+    A conditional's branches are nested computations, in which XLA:CPU runs backward
+    convolutions slowly (see `scan`). GPUs and TPUs keep masks (not measured there; a GPU
+    conditional reads its predicate back to the host).
     """
     if self._gate is not None:
       return self._gate
-    cpu_dense = self.platform == "cpu" and not self._has_conv
-    return "cond" if self.algorithm == "fdg" and cpu_dense else "mask"
+    small = (self.platform == "cpu" and self.algorithm == "fdg" and not self._has_conv
+             and max(self._forward_flops()) <= COND_GATE_MAX_FLOPS)
+    return "cond" if small else "mask"
+
+  def _forward_flops(self) -> list[float]:
+    """Each stage's training forward's FLOPs at the prepared batch shapes, as XLA counts
+    them in the lowered (unoptimised) program; inf where it cannot tell."""
+    if self._flops is None:
+      if self._batch_spec is None:
+        raise ValueError("the schedule's batch shapes are not known yet: call "
+                         "schedule.init(..., example_batch=...) or run a tick first")
+      flops = []
+      for k, stage in enumerate(self.stages):
+        s = self._core_spec(k)
+        x = self._batch_spec[0] if k == 0 else self._act_specs[k - 1][0]
+        fwd = lambda p, ms, a, st=stage: st.apply(p, ms, a, train=True,
+                                                  rng=jax.random.PRNGKey(0))[0]
+        try:
+          cost = jax.jit(fwd).lower(s["params"], s["model_state"], x).cost_analysis()
+          cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+          flops.append(float(cost["flops"]))
+        except Exception:  # no cost model on this backend or version
+          flops.append(float("inf"))
+      self._flops = flops
+    return self._flops
 
   def _reachable_flags(self, k: int) -> list[tuple[bool, bool]]:
     """The (forwards, backwards) combinations stage k meets over all ticks (the flags are
@@ -834,6 +866,7 @@ class Schedule:
       self._act_shardings[k] = P.message_shardings(k, self._act_specs[k])
       a_spec, a_spec2 = h_spec, h_spec2
     self._has_conv = has_conv
+    self._flops = None
     self._ring_layouts = [None] * K
     if self._flat_rings_apply():
       # A one-slot ring (BP) stays per leaf: written whole, XLA forwards its entry to the

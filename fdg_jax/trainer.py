@@ -262,6 +262,8 @@ def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None =
   if config.algorithm != "bp":
     kwargs["backward"] = config.backward
   kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
+  if config.get("gate", "auto") != "auto":
+    kwargs["gate"] = config.gate
   loss = loss_fn if config.get("dtype", "float32") == "float32" else precision.float32_loss(
       loss_fn)
   return fdg_jax.create(config.algorithm, stages, loss, stage_optimizer, **kwargs), lr

@@ -123,7 +123,9 @@ def test_run_and_fused_engine_equal_per_stage_steps(algorithm, beta, backward, k
       "fused step, other gate": lambda s: by_steps(s, params, states, data),
       "fused run (loop), other gate": lambda s: by_runs(s, params, states, data, [3, 10]),
   }
-  default_gate = make().gate
+  probe = make()
+  probe.init(params, states, example_batch=data[0])
+  default_gate = probe.gate
   if algorithm == "fdg" and jax.default_backend() == "cpu":
     assert default_gate == "cond"
   for name, go in runs.items():
@@ -344,6 +346,8 @@ def test_bad_engine_arguments():
       make()
   with pytest.raises(ValueError, match="one device"):
     fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2], engine="fused")
+  with pytest.raises(ValueError, match="unknown gate"):
+    fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), gate="sometimes")
   sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1))
   state = sched.init(*make_model("bn", 2)[1:])
   with pytest.raises(ValueError, match="num_ticks"):
@@ -361,6 +365,36 @@ def test_convolutions_are_detected_for_the_default_loop():
     sched.init(params, states, example_batch=(jnp.zeros((4, 8, 8, 1)), jnp.zeros(4, jnp.int32)))
     # XLA:CPU runs backward convolutions slowly inside a loop: one program per tick there.
     assert sched.scan == (not has_conv), name
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU default")
+def test_default_gate_is_conditionals_for_small_fdg_ticks_on_cpu():
+  """`Schedule.gate`: chained conditionals for FDG on CPU where every stage's training
+  forward is at most COND_GATE_MAX_FLOPS (counted by XLA: 2 x batch x fan-in x fan-out per
+  dense layer), masks for larger ticks, for DDG, for convolutions, and where asked."""
+  from fdg_jax import models, partition, schedules
+  x = jnp.zeros((1, 8, 8, 1))
+
+  def gate(name, widths=None, batch=32, algorithm="fdg", **kwargs):
+    m = models.create(name, num_classes=10, input_shape=(8, 8, 1),
+                      **({"widths": widths} if widths else {}))
+    stages = partition.split(m, 4 if widths else 2, "uniform", example_input=x)
+    params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x)
+    sched = fdg_jax.create(algorithm, stages, loss_fn, optax.sgd(0.1), **kwargs)
+    sched.init(params, states, example_batch=(jnp.zeros((batch, 8, 8, 1)),
+                                              jnp.zeros(batch, jnp.int32)))
+    return sched.gate, sched._forward_flops()
+
+  g, flops = gate("mlp", [128] * 4)  # the quick start: 64 -> 4 x 128 -> 10, batch 32
+  assert g == "cond"
+  assert flops[1] == pytest.approx(2 * 32 * 128 * 128, rel=0.1)  # one 128 x 128 layer
+  assert max(flops) <= schedules.COND_GATE_MAX_FLOPS
+  g, flops = gate("mlp", [256] * 4)
+  assert g == "mask" and max(flops) > schedules.COND_GATE_MAX_FLOPS
+  assert gate("mlp", [128] * 4, algorithm="ddg")[0] == "mask"
+  assert gate("mlp", [128] * 4, gate="mask")[0] == "mask"
+  assert gate("mlp", [256] * 4, gate="cond")[0] == "cond"
+  assert gate("cnn")[0] == "mask"
 
 
 @pytest.mark.parametrize("options, heads", [(None, None), ({}, None), ({}, False)])

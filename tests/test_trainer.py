@@ -110,16 +110,18 @@ def test_resume_is_bitwise_exact(stop_at, engine, tmp_path):
 
 
 def test_engines_and_ticks_per_call_train_alike(tmp_path):
-  """One tick per call on a device per stage, many per call in one fused program, or in
-  one program over the stages' devices: same run."""
+  """One tick per call on a device per stage, many per call in one fused program (its
+  stages gated by conditionals, the default for this small model on CPU, or by masks), or
+  in one program over the stages' devices: same run."""
   runs = {}
-  for engine, ticks in (("per_stage", 1), ("fused", 8), ("fused", 1), ("spmd", 8)):
+  for engine, ticks, gate in (("per_stage", 1, "auto"), ("fused", 8, "auto"),
+                              ("fused", 8, "mask"), ("fused", 1, "auto"), ("spmd", 8, "auto")):
     c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=1, engine=engine,
-                    ticks_per_call=ticks, beta=0.5)
+                    ticks_per_call=ticks, beta=0.5, gate=gate)
     c.model_kwargs.widths = (16, 16, 16)
-    out = str(tmp_path / f"{engine}_{ticks}")
-    runs[engine, ticks] = (trainer.train_and_evaluate(c, out), read_metrics(out))
-  (ref, ref_records) = runs["per_stage", 1]
+    out = str(tmp_path / f"{engine}_{ticks}_{gate}")
+    runs[engine, ticks, gate] = (trainer.train_and_evaluate(c, out), read_metrics(out))
+  (ref, ref_records) = runs["per_stage", 1, "auto"]
   for key, (result, records) in runs.items():
     for a, b in zip(jax.tree.leaves(result["params"]), jax.tree.leaves(ref["params"])):
       np.testing.assert_allclose(a, b, atol=1e-5, err_msg=str(key))
@@ -171,6 +173,7 @@ def test_paper_betas_are_used_by_default():
     ("max_steps", 0, "max_steps"),
     ("lr_gamma", 0.0, "lr_gamma"),
     ("engine", "pipelined", "engine"),
+    ("gate", "sometimes", "gate"),
     ("ticks_per_call", 0, "ticks_per_call"),
     ("staleness", "magic", "unknown staleness"),
     ("telemetry_every_steps", -1, "telemetry_every_steps"),
