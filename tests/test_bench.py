@@ -433,6 +433,23 @@ def test_loop_kernels_count_a_conditional_with_its_largest_branch():
   assert hlo.branches("%a = f32[] add(%x, %y)") == []
 
 
+def test_gates_benchmark_times_both_gates_and_names_the_default(tmp_path, capsys):
+  spec = importlib.util.spec_from_file_location("gates", ROOT / "benchmarks" / "gates.py")
+  gates = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gates)
+  out = tmp_path / "gates.json"
+  r = gates.main(["--only", "0", "--repeats", "1", "--run_ticks", "2", "--budget_s", "0",
+                  "--out", str(out)])
+  row, = r["rows"]
+  assert row["model"].endswith("(the quick start)")
+  # 2 x 32 x 128 x 128 for a 128 x 128 layer, as XLA counts a stage's forward
+  assert 2 * 32 * 128 * 128 <= row["forward_flops_max_stage"] <= 1.2 * 2 * 32 * 128 * 128
+  assert row["default_gate"] == ("cond" if jax.default_backend() == "cpu" else "mask")
+  assert _positive_finite(row["mask_tick_s"]) and _positive_finite(row["cond_over_mask"][0])
+  assert json.loads(out.read_text())["rows"] == r["rows"]
+  assert "| MLP 4x128, batch 32 (the quick start) |" in capsys.readouterr().out
+
+
 def test_ring_cost_counts_kernels_and_the_weights_a_stash_writes(tmp_path, capsys):
   spec = importlib.util.spec_from_file_location("ring_cost", ROOT / "benchmarks" /
                                                 "ring_cost.py")
