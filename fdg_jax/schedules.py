@@ -80,8 +80,8 @@ GATES = ("mask", "cond")
 NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
 # The largest training forward (FLOPs, one stage, one tick) for which FDG's fused programs
 # on CPU gate their stages with chained conditionals by default (`Schedule.gate`): the
-# quick-start MLP's stages do 0.5-1.1 MFLOP and gain; MLPs of 4.2-17 MFLOP neither gain nor
-# lose, and larger ticks may lose (docs/results.md 3.11).
+# quick-start MLP's stages do 0.5-1.1 MFLOP and gain; larger ticks gain less or lose
+# (benchmarks/gates.py, docs/results.md 3.11).
 COND_GATE_MAX_FLOPS = 3e6
 
 
@@ -263,23 +263,24 @@ class Schedule:
   def gate(self) -> str:
     """How the fused engine gates a stage's work on traced flags: "mask" or "cond".
 
-    Default: "cond" for FDG on CPU where the ticks are small (no convolution, and no stage's
-    training forward above `COND_GATE_MAX_FLOPS`), "mask" elsewhere. On a small tick the
-    chained conditionals keep XLA:CPU from spreading the stages' independent kernels over
-    its thread pool, which costs more than the overlap gains: the quick-start MLP's FDG K=4
-    loop takes 1.22-1.25x BP K=1's time per sample with them, 1.35-1.47x with masks, on the
-    2-core reference machine (docs/results.md 3.11). On larger ticks the overlap pays:
-    a GPT of width 128 at batch 16 x 128 tokens ran 1.25x slower with them, and MLPs of 4.2
-    to 67 MFLOP per stage forward within -13% and +1%. DDG's stages mostly work in sequence
-    within a tick: its conditionals (the delayed backwards) measured slower than its masks.
-    A conditional's branches are nested computations, in which XLA:CPU runs backward
-    convolutions slowly (see `scan`). GPUs and TPUs keep masks (not measured there; a GPU
-    conditional reads its predicate back to the host).
+    Default: "cond" for FDG with `backward="stash"` on CPU where the ticks are small (no
+    convolution, and no stage's training forward above `COND_GATE_MAX_FLOPS`), "mask"
+    elsewhere. On a small tick the chained conditionals keep XLA:CPU from spreading the
+    stages' independent kernels over its thread pool, which costs more than the overlap
+    gains: the quick-start MLP's FDG K=4 loop takes 1.22-1.25x BP K=1's time per sample
+    with them, 1.35-1.47x with masks, on the 2-core reference machine (K=2: 1.13x against
+    1.30x; K=5: 1.36x against 1.71x; docs/results.md 3.11). On larger ticks the overlap
+    pays: a GPT of width 128 at batch 16 x 128 tokens ran 1.25x slower with them. Measured
+    mixed, so left on masks: `recompute` (K=4 5% slower, K=5 12% faster) and DDG (slower
+    with `stash`, faster with `recompute`). A conditional's branches are nested
+    computations, in which XLA:CPU runs backward convolutions slowly (see `scan`). GPUs
+    and TPUs keep masks (not measured there; a GPU conditional reads its predicate back to
+    the host).
     """
     if self._gate is not None:
       return self._gate
-    small = (self.platform == "cpu" and self.algorithm == "fdg" and not self._has_conv
-             and max(self._forward_flops()) <= COND_GATE_MAX_FLOPS)
+    small = (self.platform == "cpu" and self.algorithm == "fdg" and self.backward == "stash"
+             and not self._has_conv and max(self._forward_flops()) <= COND_GATE_MAX_FLOPS)
     return "cond" if small else "mask"
 
   def _forward_flops(self) -> list[float]:

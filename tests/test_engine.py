@@ -126,8 +126,8 @@ def test_run_and_fused_engine_equal_per_stage_steps(algorithm, beta, backward, k
   probe = make()
   probe.init(params, states, example_batch=data[0])
   default_gate = probe.gate
-  if algorithm == "fdg" and jax.default_backend() == "cpu":
-    assert default_gate == "cond"
+  if jax.default_backend() == "cpu":  # `Schedule.gate`: small FDG ticks with stash
+    assert default_gate == ("cond" if (algorithm, backward) == ("fdg", "stash") else "mask")
   for name, go in runs.items():
     heads = {"ring_heads": True, "compiler_options": {}} if "heads" in name else {}
     if "other gate" in name:
@@ -369,9 +369,10 @@ def test_convolutions_are_detected_for_the_default_loop():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU default")
 def test_default_gate_is_conditionals_for_small_fdg_ticks_on_cpu():
-  """`Schedule.gate`: chained conditionals for FDG on CPU where every stage's training
-  forward is at most COND_GATE_MAX_FLOPS (counted by XLA: 2 x batch x fan-in x fan-out per
-  dense layer), masks for larger ticks, for DDG, for convolutions, and where asked."""
+  """`Schedule.gate`: chained conditionals for FDG (stash) on CPU where every stage's
+  training forward is at most COND_GATE_MAX_FLOPS (counted by XLA: 2 x batch x fan-in x
+  fan-out per dense layer), masks for larger ticks, for DDG, for `recompute`, for
+  convolutions, and where asked."""
   from fdg_jax import models, partition, schedules
   x = jnp.zeros((1, 8, 8, 1))
 
@@ -392,6 +393,7 @@ def test_default_gate_is_conditionals_for_small_fdg_ticks_on_cpu():
   g, flops = gate("mlp", [256] * 4)
   assert g == "mask" and max(flops) > schedules.COND_GATE_MAX_FLOPS
   assert gate("mlp", [128] * 4, algorithm="ddg")[0] == "mask"
+  assert gate("mlp", [128] * 4, backward="recompute")[0] == "mask"
   assert gate("mlp", [128] * 4, gate="mask")[0] == "mask"
   assert gate("mlp", [256] * 4, gate="cond")[0] == "cond"
   assert gate("cnn")[0] == "mask"
