@@ -16,7 +16,6 @@ its default), the masked tick's time and the conditionals' time over the masks' 
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
@@ -99,11 +98,8 @@ def main(argv=None) -> dict:
     print(f"| {r['model']} | {r['forward_flops_max_stage'] / 1e6:.2f} | "
           f"{1e3 * r['mask_tick_s']:.3f} | {q[0]:.3f} [{q[1]:.3f}, {q[2]:.3f}] | "
           f"{r['default_gate']} |")
-  figures = {"args": vars(args), "device": B.device_info(), "rows": rows}
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(figures, f, indent=1)
-  return figures
+  return B.write_figures({"args": vars(args), "device": B.device_info(), "rows": rows},
+                         args.out)
 
 
 if __name__ == "__main__":

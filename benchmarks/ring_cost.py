@@ -20,10 +20,11 @@ compiled with parts of the ring's work taken out:
                        this variant computes the right gradients
 
 Those variants (not the gates) compute wrong gradients: they exist only to time what each
-part of the ring costs; nothing else uses them. Prints µs per sample and the ratio to BP K=1 (median
-[min, max] of the per-repetition ratios), the kernels one tick of each compiled loop runs
-(`fdg_jax.bench.hlo.loop_kernels`: XLA:CPU runs each as its own kernel), and the bytes
-FDG K=4 writes to its stash rings per tick, weights apart; `--out` also writes them as JSON.
+part of the ring costs; nothing else uses them. Prints µs per sample and the ratio to BP
+K=1 (median [min, max] of the per-repetition ratios), the kernels one tick of each compiled
+loop runs (`fdg_jax.bench.hlo.loop_kernels`: XLA:CPU runs each as its own kernel; a
+conditional counts its largest branch), and the bytes FDG K=4 writes to its stash rings per
+tick, weights apart; `--out` also writes them as JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 
 import numpy as np
 
@@ -208,12 +208,8 @@ def main(argv=None) -> dict:
   print(f"FDG K=4 writes {stash['total'] / 1024:.1f} KiB of stash per tick, "
         f"{stash['weights'] / 1024:.1f} KiB of it weights (the weights each forward used); "
         f"per stage {[round(b / 1024, 1) for b in stash['per_stage']]} KiB")
-  figures = {"args": vars(args), "device": B.device_info(), "rows": rows,
-             "stash_bytes_per_tick": stash}
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(figures, f, indent=1)
-  return figures
+  return B.write_figures({"args": vars(args), "device": B.device_info(), "rows": rows,
+                          "stash_bytes_per_tick": stash}, args.out)
 
 
 if __name__ == "__main__":

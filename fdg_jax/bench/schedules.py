@@ -326,6 +326,14 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
   return out
 
 
+def write_figures(figures: dict, path: str | None) -> dict:
+  """`figures` as indented JSON to `path` (if one is given); returns them."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(figures, f, indent=1)
+  return figures
+
+
 def device_info() -> dict:
   jax = _jax()
   devs = jax.devices()
