@@ -1463,6 +1463,8 @@ class _GatedOps(_FusedOps):
 def _always_true(x):
   """A boolean scalar that is True whatever `x` holds, computed from x's first element by
   integer operations XLA does not fold: a dependency on `x` for what it selects."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its bits
+    x = jax.random.key_data(x)
   v = jnp.ravel(x)[0]
   if jnp.issubdtype(v.dtype, jnp.floating):
     v = jax.lax.bitcast_convert_type(v, jnp.dtype(f"int{8 * v.dtype.itemsize}"))

@@ -539,6 +539,7 @@ def test_always_true_is_true_for_any_value_and_not_folded():
             jnp.bfloat16(-3.0)]
   for v in values:
     assert bool(jax.jit(_always_true)(jnp.asarray([v]))), v
+  assert bool(jax.jit(_always_true)(jax.random.split(jax.random.key(0), 3)))  # typed keys
   text = jax.jit(lambda x, a, b: jnp.where(_always_true(x), a, b)).lower(
       jnp.zeros(2), jnp.ones(3), jnp.zeros(3)).compile().as_text()
   assert "select" in text
