@@ -110,6 +110,17 @@ def compiler_options_for(platform: str) -> dict:
   return {}
 
 
+def _check_message(k: int, spec) -> None:
+  """Refuses, in one line, a message between stages with a non-floating leaf: its cotangent
+  would be float0, which the stage after it cannot send back."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(spec)[0]:
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise ValueError(
+          f"stage {k} sends a {leaf.dtype} leaf ({jax.tree_util.keystr(path) or 'its output'})"
+          f" to stage {k + 1}; messages between stages must be floating-point arrays: "
+          "recompute integer data (positions, masks) inside each stage, or send it as floats")
+
+
 def _select(flag, new, old):
   """`new` where `flag` else `old`, leaf by leaf; a Python bool selects without any op."""
   if flag is True:
@@ -223,6 +234,7 @@ class Schedule:
     self._constants: dict = {}
     self._telemetry_fns: dict = {}
     self._core_entry_sizes: list = [None] * self.num_stages
+    self._input_treedefs: list = [None] * self.num_stages
     self._ring_layouts: list = [None] * self.num_stages  # flat rings' slot layouts
     self._per_stage_ops = _PerStageOps(self)
     self._fused_ops = _FusedOps(self)
@@ -375,7 +387,9 @@ class Schedule:
       entry = residuals.stored(entry) if residuals is not None else entry
     else:
       y, new_state = self.stages[k].apply(params, model_state, x, train=True, rng=rng)
-      entry = (x,)  # the key is rebuilt from the batch index (see `_stage_key`)
+      # The input's leaves (a message may be any pytree); the key is rebuilt from the
+      # batch index (see `_stage_key`).
+      entry = tuple(jax.tree.leaves(x))
     return y, new_state, entry
 
   def _backward(self, k, params, model_state, entry, cotangent, rng):
@@ -386,7 +400,7 @@ class Schedule:
     if self.backward == "stash":
       vjp_fn = self._stash_residuals[k].vjp_fn(entry)
     else:
-      x, = entry
+      x = jax.tree.unflatten(self._input_treedefs[k], entry)
       _, vjp_fn, _ = self._vjp(k, params, model_state, x, rng)
     grad_params, grad_x, _ = vjp_fn(cotangent)
     return grad_params, grad_x
@@ -835,6 +849,7 @@ class Schedule:
     self._batch_spec = (x_spec, y_spec)
     self._entry_specs = [None] * K
     self._core_entry_sizes = [None] * K
+    self._input_treedefs = [None] * K  # each stage's input message structure (`recompute`)
     self._act_specs, self._act_shardings, self._cot_shardings = ([None] * K for _ in range(3))
     has_conv = False
 
@@ -848,7 +863,9 @@ class Schedule:
           s["params"], s["model_state"], a_spec)
       if k == K - 1:
         break
+      self._input_treedefs[k] = jax.tree.structure(a_spec)
       entry, self._stash_residuals[k], h_spec = self._entry_and_output(k, a_spec)
+      _check_message(k, h_spec)
       entry2, _, h_spec2 = self._entry_and_output(k, a_spec2)
       self._core_entry_sizes[k] = len(entry)
       entry = entry + self._telemetry_extras(k, s["params"], a_spec, y_spec)
@@ -888,7 +905,7 @@ class Schedule:
     if self.backward == "stash":
       return Residuals.trace(self.stages[k], *args)
     h, _, _ = jax.eval_shape(lambda *z: self._vjp(k, *z), *args)
-    return (a_spec,), None, h
+    return tuple(jax.tree.leaves(a_spec)), None, h
 
   def _flat_rings_apply(self) -> bool:
     """Whether the stash rings are kept as one flat buffer per dtype (slot after slot), so

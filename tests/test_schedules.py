@@ -1,12 +1,10 @@
 """The BP, DDG and FDG schedules against independent references.
 
-The reference simulator below is a literal, eager transcription of ALGORITHMS.md: Python
-lists as stashes, explicit message dictionaries between ticks, shrinking applied the way the
-paper describes it (each stage scales the cotangent it receives by beta, so the factors
-compound) rather than as an optax transform. It shares no code with the library.
+The reference simulator (`simulator.simulate`) is a literal, eager transcription of
+ALGORITHMS.md that shares no code with the library; BP is also checked against the unsplit
+model.
 """
 
-import collections
 import os
 
 import jax
@@ -16,130 +14,8 @@ import optax
 import pytest
 
 import fdg_jax
+from simulator import simulate  # noqa: F401 (also imported from here by other tests)
 from toy_models import assert_trees_close, batches, loss_fn, make_model
-
-
-# ---------------------------------------------------------------------------- reference
-def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backward="stash",
-             probe_ticks=()):
-  """Plain-Python DDG/FDG per ALGORITHMS.md. Returns (params, states, updated-per-tick).
-
-  `opt`: one optax transform, or one per stage; a transform with a `forward(params, state)`
-  hook (fdg_jax.staleness) is asked, right before each forward of its stage, for the weights
-  to run that forward at. With `probe_ticks`, also returns {t: (weight discrepancy, gradient
-  cosine)} measured before tick t for the gradient each stage applies at t.
-  """
-  K = len(applies)
-  theta, ms = list(params), list(states)
-  opts = [opt] * K if hasattr(opt, "init") else list(opt)  # one transform (a NamedTuple) or K
-  opt_states = [o.init(p) for o, p in zip(opts, theta)]
-  probes = {}
-
-  def at_forward_weights(k):
-    hook = getattr(opts[k], "forward", None)
-    if hook is None:
-      return theta[k]
-    p, opt_states[k] = hook(theta[k], opt_states[k])
-    return p
-  stash = [collections.deque() for _ in range(K)]
-  act_msgs, cot_msgs = {}, {}   # messages sent at the previous tick, keyed by receiver
-  trace = []
-
-  def update(k, grads):
-    upd, opt_states[k] = opts[k].update(grads, opt_states[k], theta[k])
-    theta[k] = optax.apply_updates(theta[k], upd)
-
-  def stale_gradient(k, entry, cot):
-    if backward == "stash":   # the weights and state the forward saw
-      p, s = entry["params"], entry["state"]
-    else:                     # the current weights and state
-      p, s = theta[k], ms[k]
-    f = lambda p_, x_: applies[k](p_, s, x_, train=True)[0]
-    _, vjp = jax.vjp(f, p, entry["x"])
-    return vjp(cot)
-
-  def backward_stage(k, cot):
-    entry = stash[k].popleft()
-    grads, dx = stale_gradient(k, entry, cot)
-    update(k, grads)
-    return entry["batch"], dx
-
-  def forward_stage(k, x, batch):
-    p = at_forward_weights(k)
-    stash[k].append({"params": p, "state": ms[k], "x": x, "batch": batch})
-    y, ms[k] = applies[k](p, ms[k], x, train=True)
-    return y
-
-  def last_stage(x, y):
-    p = at_forward_weights(K - 1)
-    def f(p, x_):
-      out, s = applies[K - 1](p, ms[K - 1], x_, train=True)
-      return loss_fn(out, y), s
-    (_, ms[K - 1]), (grads, dx) = jax.value_and_grad(f, (0, 1), has_aux=True)(p, x)
-    update(K - 1, grads)
-    return dx
-
-  def flat(tree):
-    return np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(tree)])
-
-  def probe():
-    """Per stage: ||theta - theta_fwd|| / ||theta|| and cos(stale grad, fresh BP grad)."""
-    disc, cos = [None] * K, [None] * K
-    for k in range(K - 1):
-      if k not in cot_msgs or not stash[k]:
-        continue
-      entry = stash[k][0]
-      now = flat(theta[k])
-      disc[k] = np.linalg.norm(now - flat(entry["params"])) / np.linalg.norm(now)
-      stale = flat(stale_gradient(k, entry, cot_msgs[k])[0])
-      x, y = data[entry["batch"]]
-      def full_loss(ps):
-        h = x
-        for j in range(K):
-          h = applies[j](ps[j], ms[j], h, train=True)[0]
-        return loss_fn(h, y)
-      fresh = flat(jax.grad(full_loss)(theta)[k])
-      cos[k] = stale @ fresh / (np.linalg.norm(stale) * np.linalg.norm(fresh))
-    return disc, cos
-
-  for t, (x, y) in enumerate(data):
-    if t in probe_ticks:
-      probes[t] = probe()
-    updated = [None] * K
-    new_act, new_cot = {}, {}
-    if algorithm == "ddg":
-      h = x
-      for k in range(K - 1):
-        h = forward_stage(k, h, t)
-      new_cot[K - 2] = last_stage(h, y)
-      updated[K - 1] = t
-      for k in reversed(range(K - 1)):
-        if k in cot_msgs:
-          updated[k], dx = backward_stage(k, cot_msgs[k])
-          if k > 0:
-            new_cot[k - 1] = dx
-    else:  # fdg
-      for k in range(K):
-        arrived = (x, y, t) if k == 0 else act_msgs.get(k)
-        if k == K - 1:
-          if arrived is not None:
-            h, lab, b = arrived
-            new_cot[K - 2] = last_stage(h, lab)
-            updated[k] = b
-          continue
-        if k in cot_msgs:
-          shrunk = jax.tree.map(lambda c: beta * c, cot_msgs[k])
-          updated[k], dx = backward_stage(k, shrunk)
-          if k > 0:
-            new_cot[k - 1] = dx
-        if arrived is not None:
-          h, lab, b = arrived
-          new_act[k + 1] = (forward_stage(k, h, b), lab, b)
-    act_msgs, cot_msgs = new_act, new_cot
-    trace.append(updated)
-  if probe_ticks:
-    return theta, ms, trace, probes
-  return theta, ms, trace
 
 
 def run_schedule(schedule, params, states, data, chunks=None):

@@ -10,7 +10,8 @@ import pytest
 import fdg_jax
 from fdg_jax import staleness
 from fdg_jax.delays import delay
-from test_schedules import run_schedule, simulate, stages_of
+from simulator import simulate
+from test_schedules import run_schedule, stages_of
 from toy_models import assert_trees_close, batches, loss_fn, make_model
 
 HPARAMS = {"lr_by_delay": {"ramp_steps": 6}, "dc": {"lam": 2.0}, "weight_prediction": {},
