@@ -15,6 +15,7 @@ accuracy while letting every schedule train (see the README's Results section).
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -38,11 +39,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                # float32 master weights, optimizer state and loss)
   c.batch_size = 32
   c.num_epochs = 30
-  c.optimizer = "sgd"          # sgd | adam
+  c.optimizer = "sgd"          # sgd | adam | basis_rotation | nadam_warmup | any optax or
+                               # optax.contrib optimizer by name (adamw, nadam, lion, muon, ...)
   c.learning_rate = 0.05
-  c.momentum = 0.5
+  c.momentum = 0.5             # sgd's (and any optimizer's with a `momentum` parameter)
   c.nesterov = False
-  c.weight_decay = 1e-4
+  c.weight_decay = 1e-4        # sgd: L2 added to the gradient; adam: AdamW; others: their own
+  c.b1 = placeholder(float)    # Adam family's b1 (None: the optimizer's default)
+  c.b2 = placeholder(float)    # Adam family's b2
+  c.eps = placeholder(float)   # Adam family's eps
+  c.optimizer_kwargs = ml_collections.ConfigDict()  # any other parameter of the optimizer,
+                               # e.g. '{"beta": 0.9}' for muon, '{"frequency": 20}'
   c.lr_schedule = "cosine"     # constant | multistep | cosine
   c.lr_milestones = (150, 225, 275)  # epochs, for multistep
   c.lr_gamma = 0.1

@@ -63,8 +63,7 @@ def validate_fields(config) -> None:
           f"num_replicas={config.num_replicas}")
   if config.num_epochs < 1:
     _fail(f"num_epochs={config.num_epochs} must be >= 1")
-  if config.optimizer not in ("sgd", "adam"):
-    _fail(f"unknown optimizer {config.optimizer!r}; use sgd or adam")
+  _validate_optimizer(config)
   if not config.learning_rate > 0:
     _fail(f"learning_rate={config.learning_rate} must be > 0")
   if not 0.0 <= config.momentum < 1.0:
@@ -119,6 +118,26 @@ def validate(config) -> None:
   """
   validate_fields(config)
   validate_model(config, create_model(config))
+
+
+def optimizer_hparams(config) -> dict:
+  """The optimizer's parameters set in the config: b1, b2, eps (where not None) and
+  `optimizer_kwargs`."""
+  out = {k: config[k] for k in ("b1", "b2", "eps") if config.get(k) is not None}
+  out.update(dict(config.get("optimizer_kwargs", {}) or {}))
+  return out
+
+
+def _validate_optimizer(config) -> None:
+  """The optimizer's name and parameters, by building it once (nothing is allocated)."""
+  from fdg_jax.optim import make_optimizer
+  try:
+    make_optimizer(config.optimizer, 1e-3, momentum=config.momentum,
+                   nesterov=config.nesterov, weight_decay=config.weight_decay,
+                   **optimizer_hparams(config))
+  except (ValueError, TypeError) as e:
+    _fail(str(e).splitlines()[0] + " (--config.optimizer, --config.b1/b2/eps, "
+          "--config.optimizer_kwargs)")
 
 
 def _validate_staleness(config) -> None:

@@ -7,9 +7,12 @@ stage k's schedule runs d_k updates behind the tick counter: a negligible lag (a
 
 from __future__ import annotations
 
-from typing import Sequence
+import inspect
+from typing import Callable, Sequence
 
 import optax
+
+from fdg_jax import optimizers
 
 
 def learning_rate_schedule(name: str, base_lr: float, *, steps_per_epoch: int, num_epochs: int,
@@ -41,21 +44,84 @@ def learning_rate_schedule(name: str, base_lr: float, *, steps_per_epoch: int, n
   return optax.join_schedules([optax.linear_schedule(0.0, base_lr, warmup), main], [warmup])
 
 
-def make_optimizer(name: str, learning_rate, *, momentum: float = 0.9, nesterov: bool = False,
-                   weight_decay: float = 0.0) -> optax.GradientTransformation:
-  """The papers' optimiser: SGD (+ momentum, + Nesterov) with L2 weight decay, or Adam(W).
+# The library's own optimisers, by name (everything else is looked up in optax and
+# optax.contrib).
+OWN = {"basis_rotation": optimizers.basis_rotation, "nadam_warmup": optimizers.nadam_warmup}
 
-  Weight decay is added to the gradient before momentum (`add_decayed_weights` first), as in
-  PyTorch's SGD that the reference codes use; FDG's shrinking is chained before all of it.
+
+def find_optimizer(name: str) -> Callable:
+  """The optimiser factory called `name`: the library's own (`OWN`), then optax's and
+  optax.contrib's (any factory whose first parameter is `learning_rate`)."""
+  if name in OWN:
+    return OWN[name]
+  for module in (optax, optax.contrib):
+    fn = getattr(module, name, None)
+    if callable(fn) and not isinstance(fn, type) and _takes_learning_rate(fn):
+      return fn
+  raise ValueError(f"unknown optimizer {name!r}; use sgd, adam, {', '.join(sorted(OWN))}, or "
+                   "any optax or optax.contrib optimizer (adamw, nadam, lion, muon, ...)")
+
+
+def _takes_learning_rate(fn) -> bool:
+  try:
+    params = list(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):
+    return False
+  return bool(params) and params[0] == "learning_rate"
+
+
+def optimizer_parameters(name: str) -> tuple[str, ...]:
+  """The hyperparameters the optimiser `name` takes besides the learning rate."""
+  if name == "sgd":
+    return ("momentum", "nesterov", "weight_decay")
+  if name == "adam":
+    return ("b1", "b2", "eps", "eps_root", "weight_decay")
+  params = inspect.signature(find_optimizer(name)).parameters
+  return tuple(p for p in params if p != "learning_rate")
+
+
+def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
+                   nesterov: bool = False, weight_decay: float = 0.0,
+                   **hparams) -> optax.GradientTransformation:
+  """An optimiser by name, as an optax transform.
+
+  - "sgd": the papers' SGD (+ momentum, + Nesterov) with L2 weight decay added to the
+    gradient before momentum (`add_decayed_weights` first), as in PyTorch's SGD that the
+    reference codes use; FDG's shrinking is chained before all of it.
+  - "adam": Adam, or AdamW (decoupled) when weight_decay > 0.
+  - the library's own (`OWN`: basis_rotation, nadam_warmup) and any optax or optax.contrib
+    optimiser (adamw, nadam, nadamw, lion, muon, ...). momentum, nesterov and weight_decay
+    are passed where the optimiser has a parameter of that name (weight_decay must be 0 for
+    one that has none; momentum 0 and nesterov False leave the optimiser's own defaults); `hparams` (b1, b2, eps, beta, ...) must each be one of its
+    parameters. ValueError (one line) for an unknown name or parameter.
   """
   if name == "sgd":
+    if hparams:
+      raise ValueError(f"optimizer sgd takes momentum, nesterov and weight_decay, not "
+                       f"{', '.join(sorted(hparams))}")
     parts = []
     if weight_decay:
       parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
     return optax.chain(*parts)
-  if name == "adam":
+  if name == "adam" and not hparams:
     if weight_decay:
       return optax.adamw(learning_rate, weight_decay=weight_decay)
     return optax.adam(learning_rate)
-  raise ValueError(f"unknown optimizer {name!r}; choose sgd or adam")
+  fn = find_optimizer("adamw" if name == "adam" and weight_decay else name)
+  allowed = set(inspect.signature(fn).parameters) - {"learning_rate"}
+  unknown = sorted(set(hparams) - allowed)
+  if unknown:
+    raise ValueError(f"optimizer {name!r} has no parameter {', '.join(unknown)}; its "
+                     f"parameters: {', '.join(sorted(allowed))}")
+  kwargs = dict(hparams)
+  if "weight_decay" in allowed:
+    kwargs.setdefault("weight_decay", weight_decay)
+  elif weight_decay:
+    raise ValueError(f"optimizer {name!r} has no weight_decay parameter; set weight_decay=0 "
+                     "(or pick its decoupled variant, e.g. adamw)")
+  if "momentum" in allowed and momentum:
+    kwargs.setdefault("momentum", momentum)
+  if "nesterov" in allowed and nesterov:  # else the optimiser's own default (nadam: True)
+    kwargs.setdefault("nesterov", True)
+  return fn(learning_rate, **kwargs)

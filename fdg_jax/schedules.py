@@ -392,15 +392,18 @@ class Schedule:
       entry = tuple(jax.tree.leaves(x))
     return y, new_state, entry
 
-  def _backward(self, k, params, model_state, entry, cotangent, rng):
+  def _backward(self, k, params, model_state, opt_state, entry, cotangent, rng):
     """Gradient w.r.t. stage k's params and input, given the stash entry and a cotangent.
 
-    `rng` is the key the forward used (needed only to recompute it)."""
+    `rng` is the key the forward used, and `opt_state` the stage's optimizer state (needed
+    only to recompute the forward: at the weights its optimizer's backward hook gives,
+    e.g. PipeMare's reconstruction, by default the current ones)."""
     entry = entry[:self._core_entry_sizes[k]]  # without the telemetry's extras
     if self.backward == "stash":
       vjp_fn = self._stash_residuals[k].vjp_fn(entry)
     else:
       x = jax.tree.unflatten(self._input_treedefs[k], entry)
+      params = self.optimizers[k].backward(params, opt_state)
       _, vjp_fn, _ = self._vjp(k, params, model_state, x, rng)
     grad_params, grad_x, _ = vjp_fn(cotangent)
     return grad_params, grad_x
@@ -447,7 +450,8 @@ class Schedule:
       slot = s["pops"] % D
       entry = s["stash"].read(slot)
       key = self._key(s["rng"], s["stash_batch"][slot])
-      grads, grad_x = self._backward(k, s["params"], s["model_state"], entry, cot, key)
+      grads, grad_x = self._backward(k, s["params"], s["model_state"], s["opt_state"], entry,
+                                     cot, key)
       params, opt_state = self._update(k, s["params"], s["opt_state"], grads)
       params, opt_state = _select(do_bwd, (params, opt_state), (s["params"], s["opt_state"]))
       updated = _select(do_bwd, s["stash_batch"][slot], NO_UPDATE)
@@ -1220,7 +1224,7 @@ class Schedule:
       entry = tuple(stash["head"] if "head" in stash
                     else self._ring_load(k, stash["ring"], slot))
       b = s["stash_batch"][slot]
-      grads, _ = self._backward(k, s["params"], s["model_state"], entry, cot,
+      grads, _ = self._backward(k, s["params"], s["model_state"], s["opt_state"], entry, cot,
                                 _stage_key(s["rng"], b))
       leaves, treedef = jax.tree.flatten(s["params"])
       theta_fwd = entry[n:n + len(leaves)]

@@ -20,6 +20,10 @@ forward hooks threaded through the components in order (bitwise `optax.chain` wi
 Every method except `nesterov_delay` returns the plain transform itself (or the identity) at
 d = 0, so BP and the last stage compute bitwise what the plain optimiser computes.
 
+Under `backward="recompute"` a transform may also choose the weights the delayed backward
+re-runs the forward at: `backward(params, state) -> params` (the fourth field, identity by
+default; `chain` threads it through the components in order).
+
 Methods (SGDM is PyTorch's form, as `optax.sgd`: v <- g + m*v, theta <- theta - eta*v):
 
 1. `lr_by_delay(delay, ramp_steps)`: PipeMare learning-rate rescheduling (Yang et al., MLSys 2021,
@@ -55,6 +59,20 @@ Methods (SGDM is PyTorch's form, as `optax.sgd`: v <- g + m*v, theta <- theta - 
    enters only through when the stale gradient arrives (the look-ahead does not depend on d).
    Memory: one copy of the weights (Delta).
 
+6. `error_feedback(inner, delay, strength)`: update extrapolation, applied = u_t + strength *
+   d * (u_t - u_{t-1}), u_t `inner`'s update: an update-level, optimiser-agnostic correction
+   with one buffer, this library's construction in place of the error feedback of Zmushko
+   et al. (arXiv 2606.30634), whose exact form could not be found. Memory: one weight copy.
+7. `discrepancy_correction(delay, decay)`: PipeMare's weight reconstruction (arXiv 1910.05124)
+   for `backward="recompute"`. Chained AFTER the optimiser: delta <- decay*delta + (1-decay) *
+   (theta_new - theta_old); the recompute backward runs at theta - d*delta (the schedule
+   asks the transform's `backward` hook). Inert under `stash`. Memory: one weight copy.
+
+Optimisers with a geometry meant to tolerate delay, `basis_rotation` (Adam in per-matrix
+eigenbases, arXiv 2602.03515) and `nadam_warmup` (PipeNAG's NAdam with PyTorch's momentum
+warm-up), live in `fdg_jax.optimizers` and are re-exported here; they are optimisers, not
+corrections, and take the base's place (`fdg_jax.optim.make_optimizer` names them).
+
 FDG's gradient shrinking (`fdg_jax.shrink`) is chained first, before everything:
 `chain(shrink(beta, k, K), stage_optimizer(...))`. It scales the stage's gradient by
 beta_k = beta^(K-1-k). lr_by_delay, spike_compensation, nesterov_delay and the optimiser are
@@ -77,19 +95,28 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fdg_jax.optimizers import basis_rotation, nadam_warmup  # noqa: F401 (re-exported)
+
 METHODS = ("none", "lr_by_delay", "weight_prediction", "spike_compensation", "dc",
-           "nesterov_delay")
-
-
-class DelayedTransformation(NamedTuple):
-  """An optax transform with a hook that picks the weights the stage's forward runs at."""
-  init: Callable      # params -> state  (as optax)
-  update: Callable    # (updates, state, params) -> (updates, state)  (as optax)
-  forward: Callable   # (params, state) -> (params_for_forward, state)
+           "nesterov_delay", "error_feedback", "discrepancy_correction")
 
 
 def _identity_forward(params, state):
   return params, state
+
+
+def _identity_backward(params, state):
+  del state
+  return params
+
+
+class DelayedTransformation(NamedTuple):
+  """An optax transform with hooks that pick the weights the stage's forward runs at and,
+  under `backward="recompute"`, the weights its delayed backward re-runs the forward at."""
+  init: Callable      # params -> state  (as optax)
+  update: Callable    # (updates, state, params) -> (updates, state)  (as optax)
+  forward: Callable   # (params, state) -> (params_for_forward, state)
+  backward: Callable = _identity_backward  # (params, state) -> params_for_backward
 
 
 def with_forward(tx) -> DelayedTransformation:
@@ -112,6 +139,7 @@ def chain(*txs) -> DelayedTransformation:
   lifted = [with_forward(tx) for tx in txs]
   base = optax.chain(*[_as_optax(tx) for tx in lifted])
   forwards = [tx.forward for tx in lifted]
+  backwards = [tx.backward for tx in lifted]
 
   def forward_fn(params, state):
     new_state = []
@@ -120,7 +148,12 @@ def chain(*txs) -> DelayedTransformation:
       new_state.append(s)
     return params, tuple(new_state)
 
-  return DelayedTransformation(base.init, base.update, forward_fn)
+  def backward_fn(params, state):
+    for s, bwd in zip(state, backwards):
+      params = bwd(params, s)
+    return params
+
+  return DelayedTransformation(base.init, base.update, forward_fn, backward_fn)
 
 
 def _check_delay(delay) -> int:
@@ -213,7 +246,10 @@ def weight_prediction(inner, delay: int, horizon: Optional[float] = None) -> Del
                              state.last_update)
     return predicted, WeightPredictionState(inner=inner_state, last_update=state.last_update)
 
-  return DelayedTransformation(init_fn, update_fn, forward_fn)
+  def backward_fn(params, state):
+    return inner.backward(params, state.inner)
+
+  return DelayedTransformation(init_fn, update_fn, forward_fn, backward_fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,6 +383,95 @@ def nesterov_delay(learning_rate, delay: int, momentum: float = 0.99) -> Delayed
 
 
 # --------------------------------------------------------------------------------------------
+# 6. Update extrapolation ("error feedback" on the update's lag)
+
+
+class ErrorFeedbackState(NamedTuple):
+  inner: Any
+  last_update: Any   # the inner optimiser's previous update (zeros before the first)
+  seen: jax.Array    # int32: 1 once there was a previous update
+
+
+def error_feedback(inner, delay: int, strength: float = 1.0) -> DelayedTransformation:
+  """Applies u_t + strength * d * (u_t - u_{t-1}), u_t the inner optimiser's update.
+
+  An update-level correction with one extra buffer, for any optimiser: a stale stage's
+  updates lag the ones fresh gradients would give by about d steps, so the update is
+  extrapolated d steps along its own recent change (the first update has no previous one
+  and is applied as it is). This is this library's construction, not the published
+  error-feedback correction of Zmushko et al. (arXiv 2606.30634), whose exact form could
+  not be found (described as update-level, optimiser-agnostic, one buffer). d == 0 (or
+  strength 0): `with_forward(inner)` itself. Memory: one copy of the weights.
+  """
+  d = _check_delay(delay)
+  inner = with_forward(inner)
+  if d == 0 or strength == 0:
+    return inner
+  c = float(strength) * d
+
+  def init_fn(params):
+    return ErrorFeedbackState(inner=inner.init(params),
+                              last_update=jax.tree.map(jnp.zeros_like, params),
+                              seen=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    u, inner_state = inner.update(updates, state.inner, params)
+    scale = jnp.where(state.seen > 0, c, 0.0)
+    out = jax.tree.map(lambda a, b: a + (scale * (a - b)).astype(a.dtype), u, state.last_update)
+    return out, ErrorFeedbackState(inner=inner_state, last_update=u,
+                                   seen=jnp.ones([], jnp.int32))
+
+  def forward_fn(params, state):
+    params, inner_state = inner.forward(params, state.inner)
+    return params, state._replace(inner=inner_state)
+
+  def backward_fn(params, state):
+    return inner.backward(params, state.inner)
+
+  return DelayedTransformation(init_fn, update_fn, forward_fn, backward_fn)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. PipeMare's discrepancy correction (for backward="recompute")
+
+
+class DiscrepancyState(NamedTuple):
+  increment: Any  # delta: the decayed average of the weight increments
+
+
+def discrepancy_correction(delay: int, decay: float = 0.9) -> DelayedTransformation:
+  """PipeMare's weight reconstruction for the delayed backward; chain it AFTER the optimiser.
+
+  delta <- decay * delta + (1 - decay) * (theta_new - theta_old) at every update (delta = 0
+  at first), and a `recompute` backward re-runs the forward at theta - d * delta, an estimate
+  of the weights the forward ran at d updates earlier, instead of the current theta (Yang et
+  al., MLSys 2021, arXiv 1910.05124; the form w_bwd = w - (tau_fwd - tau_bwd) delta, with
+  tau_bwd = 0 here; its decay is a setting, not taken from the paper). Under `stash` the
+  backward already runs at the forward's weights and the hook is never called. d == 0: the
+  identity. Memory: one copy of the weights.
+  """
+  d = _check_delay(delay)
+  if not 0.0 <= decay < 1.0:
+    raise ValueError(f"discrepancy_correction's decay must lie in [0, 1), got {decay}")
+  if d == 0:
+    return _identity()
+
+  def init_fn(params):
+    return DiscrepancyState(increment=jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    inc = jax.tree.map(lambda a, u: decay * a + (1.0 - decay) * u.astype(a.dtype),
+                       state.increment, updates)
+    return updates, DiscrepancyState(increment=inc)
+
+  def backward_fn(params, state):
+    return jax.tree.map(lambda p, a: p - jnp.asarray(d, a.dtype) * a, params, state.increment)
+
+  return DelayedTransformation(init_fn, update_fn, _identity_forward, backward_fn)
+
+
+# --------------------------------------------------------------------------------------------
 # Registry
 
 _HPARAMS = {
@@ -356,6 +481,8 @@ _HPARAMS = {
     "spike_compensation": (),
     "dc": ("lam", "adaptive", "decay", "lam0", "eps"),
     "nesterov_delay": ("gamma", "learning_rate"),
+    "error_feedback": ("strength",),
+    "discrepancy_correction": ("discrepancy_decay",),
 }
 
 
@@ -421,6 +548,10 @@ def stage_optimizer(method: str, base, *, delay: int, learning_rate, momentum: f
     return chain(base, lr_by_delay(d, hparams["ramp_steps"], hparams.get("power", 1.0)))
   if method == "weight_prediction":
     return weight_prediction(base, d, horizon=hparams.get("horizon"))
+  if method == "error_feedback":
+    return error_feedback(base, d, strength=hparams.get("strength", 1.0))
+  if method == "discrepancy_correction":
+    return chain(base, discrepancy_correction(d, hparams.get("discrepancy_decay", 0.9)))
   if method == "spike_compensation":
     tx = spike_compensation(learning_rate, d, momentum)
     return chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else with_forward(tx)
@@ -451,8 +582,10 @@ def _combination(method, base, *, delay, learning_rate, momentum, weight_decay, 
   """Several methods at once, e.g. "spike_compensation+weight_prediction".
 
   Built inside out: the update rule (the base, or spike_compensation / nesterov_delay in its
-  place), then lr_by_delay after it and dc before it, and weight_prediction around all of
-  it (extrapolating the update the stage really applies). `hparams` holds every part's
+  place), then lr_by_delay after it, error_feedback around that (extrapolating the scaled
+  update), dc before it, discrepancy_correction after it (averaging the update applied),
+  and weight_prediction around all of it (extrapolating the update the stage really
+  applies). `hparams` holds every part's
   settings; each part takes its own keys.
   """
   parts = parse_methods(method)
@@ -466,10 +599,9 @@ def _combination(method, base, *, delay, learning_rate, momentum, weight_decay, 
                                        hparams=own(m), optimizer=optimizer, nesterov=nesterov)
   rule = next((m for m in parts if m in ("spike_compensation", "nesterov_delay")), None)
   tx = build(rule, base) if rule else with_forward(base)
-  if "lr_by_delay" in parts:
-    tx = build("lr_by_delay", tx)
-  if "dc" in parts:
-    tx = build("dc", tx)
+  for m in ("lr_by_delay", "error_feedback", "dc", "discrepancy_correction"):
+    if m in parts:
+      tx = build(m, tx)
   if "weight_prediction" in parts:
     tx = build("weight_prediction", tx)
   return tx

@@ -33,7 +33,7 @@ from fdg_jax import data as data_lib
 from fdg_jax import models, partition, precision, runtime, staleness
 from fdg_jax.runtime import arrays as runtime_arrays
 from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
-                                  validate, validate_fields, validate_model)
+                                  optimizer_hparams, validate, validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -245,7 +245,8 @@ def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None =
       num_epochs=config.num_epochs, warmup_epochs=config.warmup_epochs,
       milestones=tuple(config.lr_milestones), gamma=config.lr_gamma)
   base = make_optimizer(config.optimizer, lr, momentum=config.momentum,
-                        nesterov=config.nesterov, weight_decay=config.weight_decay)
+                        nesterov=config.nesterov, weight_decay=config.weight_decay,
+                        **optimizer_hparams(config))
   hparams = staleness_hparams(config, steps_per_epoch)
 
   def stage_optimizer(k, d):  # stage k's optimizer, given its delay d
@@ -861,7 +862,7 @@ def _log(msg: str) -> None:
 
 _IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset",
                     "batch_size", "seed", "split", "backward", "beta", "num_replicas",
-                    "staleness", "dtype")
+                    "staleness", "dtype", "optimizer")
 
 
 _DEFAULTS = {"staleness": "none", "dtype": "float32"}  # identity fields that runs of older versions lack

@@ -52,8 +52,9 @@ def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backwar
   def stale_gradient(k, entry, cot):
     if backward == "stash":   # the weights and state the forward saw
       p, s = entry["params"], entry["state"]
-    else:                     # the current weights and state
-      p, s = theta[k], ms[k]
+    else:                     # the current weights (or the optimizer's choice) and state
+      hook = getattr(opts[k], "backward", None)
+      p, s = (theta[k] if hook is None else hook(theta[k], opt_states[k])), ms[k]
     rng = key(k, entry["batch"])
     f = lambda p_, x_: applies[k](p_, s, x_, train=True, rng=rng)[0]
     _, vjp = jax.vjp(f, p, entry["x"])

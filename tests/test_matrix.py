@@ -3,7 +3,9 @@
 Factors: algorithm x backward policy x engine (and the fused engine's gate) x `step` or
 `run` x message structure (one array, a tuple, a dict, a nested dict with a leaf of another
 dtype and shape) x model state (none, BatchNorm) x dropout x dtype (float32, bfloat16
-compute) x optimizer x shrinking. The full product has thousands of cases, so the cases are
+compute) x optimizer (SGD momentum, Adam, Muon, basis rotation, PipeNAG's NAdam) x staleness
+remedy (none, error feedback, PipeMare's discrepancy correction, weight prediction; each
+stage built by `staleness.stage_optimizer` for its delay) x shrinking. The full product has thousands of cases, so the cases are
 a covering selection, built by `covering_cases` below (deterministic, greedy): every pair of
 values of any two factors appears in at least one case, and every (algorithm, backward,
 engine) triple appears, since the engines hold a separate code path for each. Constraints:
@@ -14,7 +16,8 @@ per-tick `updated` trace with `simulator.simulate`, fed the same stage functions
 `precision.mixed_precision` for bfloat16). float32 agrees to 1e-5; bfloat16 to 1.5e-2
 absolute (measured up to 6e-3; each side rounds to bfloat16 at different points: eager
 operations in the simulator against fused XLA programs in the schedule), against weight
-changes of 0.05-0.2 over the 9 ticks.
+changes of 0.05-0.2 over the 9 ticks; basis rotation to 1e-4 (eigenvectors by float32 eigh
+and QR).
 """
 
 import itertools
@@ -26,7 +29,8 @@ import optax
 import pytest
 
 import fdg_jax
-from fdg_jax import precision
+from fdg_jax import precision, staleness
+from fdg_jax.optim import make_optimizer
 from simulator import simulate
 from toy_models import NUM_CLASSES, WIDTH, assert_trees_close, batches, loss_fn
 
@@ -42,7 +46,8 @@ FACTORS = {
     "state": ("none", "batchnorm"),
     "dropout": (False, True),
     "dtype": ("float32", "bfloat16"),
-    "optimizer": ("sgd_momentum", "adam"),
+    "optimizer": ("sgd_momentum", "adam", "muon", "basis_rotation", "nadam_warmup"),
+    "remedy": ("none", "error_feedback", "discrepancy_correction", "weight_prediction"),
     "beta": (1.0, 0.5),
 }
 # Factors whose every combination must appear (each engine has its own code per pair).
@@ -154,10 +159,28 @@ def build(case, seed=0):
   return stages, params, states, loss
 
 
-def optimizer(name):
-  if name == "adam":
-    return optax.adam(1e-2)
-  return optax.chain(optax.add_decayed_weights(5e-3), optax.sgd(0.05, momentum=0.9))
+def base_optimizer(name):
+  if name == "sgd_momentum":
+    return make_optimizer("sgd", 0.05, momentum=0.9, weight_decay=5e-3)
+  lr = {"adam": 1e-2, "muon": 0.02, "basis_rotation": 1e-2, "nadam_warmup": 1e-2}[name]
+  # Basis rotation rotates the square hidden matrices only: the head's [6, 4] statistic
+  # G G^T is rank-deficient, and any basis of its null space is an eigenbasis, so two
+  # implementations may pick different ones and then rightly differ (Adam's second moments
+  # live in that basis); the head stays plain Adam.
+  square = lambda p: jax.tree.map(lambda a: a.ndim == 2 and a.shape[0] == a.shape[1], p)
+  extra = ({"frequency": 3, "eps": 1e-3, "mask": square} if name == "basis_rotation"
+           else {})
+  return make_optimizer(name, lr, weight_decay=0.0, **extra)
+
+
+def optimizers_for(case, delays):
+  """Stage k's optimizer: the case's, with its staleness remedy for delay d_k."""
+  base = base_optimizer(case["optimizer"])
+  hparams = {"error_feedback": {"strength": 0.5},
+             "discrepancy_correction": {"discrepancy_decay": 0.8}}.get(case["remedy"], {})
+  return [staleness.stage_optimizer(case["remedy"], base, delay=d, learning_rate=None,
+                                    momentum=0.9, weight_decay=0.0, hparams=hparams)
+          for d in delays]
 
 
 def schedule_for(case, stages, loss):
@@ -169,7 +192,8 @@ def schedule_for(case, stages, loss):
     kwargs.update(engine="fused", gate=engine.split("/")[1])
   else:
     kwargs.update(engine=engine, devices=jax.devices()[:K])
-  return fdg_jax.create(case["algorithm"], stages, loss, optimizer(case["optimizer"]),
+  delays = [fdg_jax.delay(case["algorithm"], k, K) for k in range(K)]
+  return fdg_jax.create(case["algorithm"], stages, loss, optimizers_for(case, delays),
                         **kwargs)
 
 
@@ -203,7 +227,7 @@ def test_the_selection_covers_every_pair_and_every_engine_path():
   for combo in itertools.product(*(FACTORS[f] for f in FULL)):
     full = dict(zip(FULL, combo), beta=1.0)
     assert (combo in triples) == valid(full), combo
-  assert len(CASES) <= 32  # keeps the matrix a few minutes on 2 cores
+  assert len(CASES) <= 36  # keeps the matrix a few minutes on 2 cores
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -214,10 +238,12 @@ def test_combination_matches_the_simulator(case):
   (got_params, got_states), trace, keys = run_case(sched, params, states, data, case["call"])
   ref_params, ref_states, ref_trace = simulate(
       case["algorithm"], [s.apply for s in stages], params, states,
-      optimizer(case["optimizer"]), data, beta=case["beta"], backward=case["backward"],
-      loss_fn=loss, keys=keys)
+      optimizers_for(case, sched.delays), data, beta=case["beta"],
+      backward=case["backward"], loss_fn=loss, keys=keys)
   assert trace == ref_trace
   atol = 1e-5 if case["dtype"] == "float32" else 1.5e-2
+  if case["optimizer"] == "basis_rotation":  # eigenvectors from float32 eigh and QR
+    atol = max(atol, 1e-4)
   assert_trees_close(got_params, ref_params, atol=atol)
   assert_trees_close(got_states, ref_states, atol=atol)
   for k in range(K):  # every stage trained, so the equality above is not vacuous
@@ -231,15 +257,15 @@ def test_dict_messages_under_recompute(algorithm, devices):
   """The regression: dict activations under `recompute` failed at the first delayed
   backward (the stash kept the message's leaves, the backward took them for the message)."""
   case = dict(algorithm=algorithm, backward="recompute", message="dict", state="none",
-              dropout=False, dtype="float32", optimizer="sgd_momentum", beta=1.0)
+              dropout=False, dtype="float32")
   stages, params, states, loss = build(case)
-  sched = fdg_jax.create(algorithm, stages, loss, optimizer("sgd_momentum"),
+  sched = fdg_jax.create(algorithm, stages, loss, base_optimizer("sgd_momentum"),
                          backward="recompute",
                          devices=None if devices == 1 else jax.devices()[:K])
   data = batches(TICKS)
   (got, _), trace, _ = run_case(sched, params, states, data, "step")
   ref, _, ref_trace = simulate(algorithm, [s.apply for s in stages], params, states,
-                               optimizer("sgd_momentum"), data, backward="recompute",
+                               base_optimizer("sgd_momentum"), data, backward="recompute",
                                loss_fn=loss)
   assert trace == ref_trace
   assert_trees_close(got, ref, atol=1e-5)

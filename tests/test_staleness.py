@@ -357,7 +357,9 @@ def _assert_same_runs(a, b):
 
 
 HPARAMS = {"none": {}, "lr_by_delay": {"ramp_steps": 5}, "weight_prediction": {},
-           "spike_compensation": {}, "dc": {"lam": 0.5, "adaptive": True}}
+           "spike_compensation": {}, "dc": {"lam": 0.5, "adaptive": True},
+           "error_feedback": {"strength": 0.5},
+           "discrepancy_correction": {"discrepancy_decay": 0.8}}
 
 
 @pytest.mark.parametrize("method", [m for m in st.METHODS if m != "nesterov_delay"])
