@@ -56,7 +56,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.warmup_epochs = 1.0
   # Staleness remedies (fdg_jax.staleness), each applied per stage with its delay d_k.
   c.staleness = "none"         # none | lr_by_delay | weight_prediction | spike_compensation |
-                               # dc | nesterov_delay
+                               # dc | nesterov_delay | error_feedback | discrepancy_correction
+                               # (several joined by "+")
   c.staleness_ramp_epochs = 7.0  # lr_by_delay: epochs until every stage runs at the base lr
                                # (-1: never; stage k keeps lr / d_k for the whole run)
   c.staleness_lr_power = 1.0   # lr_by_delay: lr * d_k^-power at the start (PipeMare: 1)
@@ -66,6 +67,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.dc_lambda0 = 2.0
   c.dc_decay = 0.95            # dc adaptive: the decay of M, the mean square gradient
   c.nesterov_gamma = 0.99      # nesterov_delay: the look-ahead momentum gamma
+  c.staleness_strength = 1.0   # error_feedback: u + strength * d_k * (u - u_prev)
+  c.discrepancy_decay = 0.9    # discrepancy_correction (recompute): decay of the average
+                               # weight increment delta; the backward runs at theta - d_k delta
   c.telemetry_every_steps = 0  # >0: every N steps, per-stage weight discrepancy and stale-vs-
                                # fresh gradient cosine in metrics.jsonl (0: off)
   # Run.

@@ -134,7 +134,7 @@ def _validate_optimizer(config) -> None:
   try:
     make_optimizer(config.optimizer, 1e-3, momentum=config.momentum,
                    nesterov=config.nesterov, weight_decay=config.weight_decay,
-                   **optimizer_hparams(config))
+                   peak_learning_rate=config.learning_rate, **optimizer_hparams(config))
   except (ValueError, TypeError) as e:
     _fail(str(e).splitlines()[0] + " (--config.optimizer, --config.b1/b2/eps, "
           "--config.optimizer_kwargs)")

@@ -82,6 +82,7 @@ def optimizer_parameters(name: str) -> tuple[str, ...]:
 
 def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
                    nesterov: bool = False, weight_decay: float = 0.0,
+                   peak_learning_rate: float | None = None,
                    **hparams) -> optax.GradientTransformation:
   """An optimiser by name, as an optax transform.
 
@@ -94,6 +95,11 @@ def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
     are passed where the optimiser has a parameter of that name (weight_decay must be 0 for
     one that has none; momentum 0 and nesterov False leave the optimiser's own defaults); `hparams` (b1, b2, eps, beta, ...) must each be one of its
     parameters. ValueError (one line) for an unknown name or parameter.
+
+  A second rate among `hparams` (a float parameter named `*_learning_rate`, e.g. muon's
+  `adam_learning_rate` for its non-matrix leaves) follows `learning_rate`'s schedule when
+  that is one: it is the schedule scaled by value / `peak_learning_rate` (the schedule's
+  peak; required then).
   """
   if name == "sgd":
     if hparams:
@@ -115,6 +121,12 @@ def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
     raise ValueError(f"optimizer {name!r} has no parameter {', '.join(unknown)}; its "
                      f"parameters: {', '.join(sorted(allowed))}")
   kwargs = dict(hparams)
+  for key, value in hparams.items():
+    if key.endswith("_learning_rate") and callable(learning_rate) and not callable(value):
+      if not peak_learning_rate:
+        raise ValueError(f"{key} with a learning-rate schedule needs peak_learning_rate")
+      ratio = float(value) / float(peak_learning_rate)
+      kwargs[key] = lambda count, ratio=ratio: learning_rate(count) * ratio
   if "weight_decay" in allowed:
     kwargs.setdefault("weight_decay", weight_decay)
   elif weight_decay:

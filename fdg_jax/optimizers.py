@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -38,45 +39,61 @@ def _lr(learning_rate, count):
 
 class BasisRotationState(NamedTuple):
   count: jax.Array  # int32: updates applied so far
-  mu: Any           # first moment, in the weights' own coordinates
-  nu: Any           # second moment, in the rotated coordinates (plain Adam's for other leaves)
-  left: Any         # per rotated leaf: EMA of G G^T [m, m] (or () for a side not rotated)
-  right: Any        # EMA of G^T G [n, n] (or ())
-  q_left: Any       # the left eigenbasis [m, m] (or ())
-  q_right: Any      # the right eigenbasis [n, n] (or ())
+  mu: Any           # first moment per leaf, in the leaf's own coordinates
+  nu: Any           # second moment: per plain leaf; per group [B, m, n] in the rotated basis
+  left: Any         # per group: EMA of G G^T [B, m, m] (() where the left side is not rotated)
+  right: Any        # per group: EMA of G^T G [B, n, n] (())
+  q_left: Any       # per group: the left eigenbases [B, m, m] (())
+  q_right: Any      # per group: the right eigenbases [B, n, n] (())
 
 
-def rotated_shape(shape, max_dim: int) -> Optional[tuple[int, int, bool, bool]]:
-  """How `basis_rotation` treats a leaf of `shape`: None (plain Adam), or (m, n, rotate left,
-  rotate right) for the matrix [m, n] it is viewed as.
+def matrix_view(shape, max_dim: int = 2048) -> Optional[tuple[int, int, bool, bool]]:
+  """The matrix [m, n] `basis_rotation` views a weight of `shape` as, and which sides it
+  rotates: (m, n, left, right), or None (plain Adam).
 
-  A leaf of rank >= 2 is a matrix of its last axis against the others (a Dense kernel
-  [in, out] as it is; a convolution kernel [h, w, in, out] as [h*w*in, out]). A side is
+  Rank 2: [in, out] itself. Rank 3 (a multi-head projection, [in, heads, dim] or [heads, dim,
+  out]): the split of the axes into two groups that is closest to square, [in, heads*dim] or
+  [heads*dim, out]. Rank 4 and more (a convolution [h, w, in, out]): [h*w*in, out]. A side is
   rotated if its size lies in [2, max_dim] (a larger one would cost max_dim^2 memory and an
-  eigendecomposition of that size; it keeps the identity, as SOAP does). Vectors (biases,
-  norms' scales) and leaves with no side rotated are plain Adam.
+  eigendecomposition of that size; it keeps the identity, as SOAP does). Vectors, and
+  matrices with no side rotated, are plain Adam.
   """
   if len(shape) < 2:
     return None
-  m, n = math.prod(shape[:-1]), shape[-1]
+  if len(shape) == 3:
+    splits = [(math.prod(shape[:i]), math.prod(shape[i:])) for i in (1, 2)]
+    m, n = min(splits, key=lambda mn: abs(math.log(mn[0] / mn[1])))
+  else:
+    m, n = math.prod(shape[:-1]), shape[-1]
   left, right = 2 <= m <= max_dim, 2 <= n <= max_dim
   return (m, n, left, right) if left or right else None
 
 
+def default_rotation_mask(params):
+  """Which leaves `basis_rotation` rotates by default: Flax's weight matrices (leaves named
+  "kernel": Dense, DenseGeneral, Conv), so that embeddings, biases and norms stay plain AdamW
+  as in the paper's code; in a pytree with no leaf named "kernel", every leaf of rank >= 2."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  named = [bool(path) and getattr(path[-1], "key", None) == "kernel" for path, _ in flat]
+  if not any(named):
+    named = [np.ndim(leaf) >= 2 for _, leaf in flat]
+  return jax.tree.unflatten(treedef, named)
+
+
 def _eig_descending(a):
-  """Eigenvectors of the symmetric `a`, by decreasing eigenvalue."""
+  """Eigenvectors of the symmetric matrices `a` [B, m, m], by decreasing eigenvalue."""
   _, vecs = jnp.linalg.eigh(a)
-  return vecs[:, ::-1]
+  return vecs[..., ::-1]
 
 
 def _power_qr(stat, q, nu, axis):
-  """One refresh of a basis (as SOAP): order q's columns by their estimated eigenvalues
-  diag(q^T stat q), decreasing, permute nu's `axis` alike, then one power iteration and a QR
-  factorisation. Returns (new q, nu)."""
-  est = jnp.einsum("ij,ik,kj->j", q, stat, q)
-  order = jnp.argsort(-est)
-  q = q[:, order]
-  nu = jnp.take(nu, order, axis=axis)
+  """One refresh of the bases (as SOAP): order q's columns by their estimated eigenvalues
+  diag(q^T stat q), decreasing, permute nu's `axis` (1: rows, 2: columns) alike, then one
+  power iteration and a QR factorisation. All [B, ...]. Returns (new q, nu)."""
+  est = jnp.einsum("bij,bik,bkj->bj", q, stat, q)
+  order = jnp.argsort(-est, axis=-1)
+  q = jnp.take_along_axis(q, order[:, None, :], axis=2)
+  nu = jnp.take_along_axis(nu, order[:, :, None] if axis == 1 else order[:, None, :], axis=axis)
   q, _ = jnp.linalg.qr(stat @ q)
   return q, nu
 
@@ -87,7 +104,7 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
                    mask: Optional[Callable] = None) -> optax.GradientTransformation:
   """Adam in a rotated basis per weight matrix (bilateral, second-moment statistics).
 
-  Per rotated leaf W, viewed as a matrix [m, n] (`rotated_shape`), with gradient G and step
+  Per rotated leaf W, viewed as a matrix [m, n] (`matrix_view`), with gradient G and step
   t = 1, 2, ...:
     L <- s L + (1 - s) G G^T,  R <- s R + (1 - s) G^T G      (s = shampoo_beta, default b2)
     at t = 1: Q_L, Q_R = the eigenvectors of L, R (by decreasing eigenvalue);
@@ -97,8 +114,9 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
     W <- W - lr wd W - lr sqrt(1 - b2^t) / (1 - b1^t) Q_L (M~ / (sqrt(v) + eps)) Q_R^T.
   The statistics include the current gradient, and the first step already uses the basis
   built from it. When a basis changes, m needs nothing (it lives in W's coordinates) and v
-  is kept (only permuted with the eigenvalue order). Other leaves (vectors, and those `mask`
-  marks False) get the same Adam without rotation: plain AdamW (decoupled weight decay).
+  is kept (only permuted with the eigenvalue order). Other leaves get the same Adam without
+  rotation: plain AdamW (decoupled weight decay; eps added to sqrt(v), the bias correction
+  folded into the step, as the paper's code does).
 
   Args:
     learning_rate: a float or an optax schedule of the update count.
@@ -106,42 +124,42 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
     shampoo_beta: the statistics' decay (None: b2, as the paper's runs).
     frequency: steps between refreshes of the bases (the paper: 10).
     max_dim: the largest side that is rotated.
-    mask: optional `params -> pytree of bools`, True for the leaves to rotate (e.g. to keep
-      embeddings plain, as the paper does); leaves it marks False are plain AdamW.
+    mask: `params -> pytree of bools`, True for the leaves to rotate (default
+      `default_rotation_mask`: Flax kernels, else every leaf of rank >= 2).
 
-  Memory per rotated matrix [m, n]: L, R, Q_L, Q_R (2 m^2 + 2 n^2) on top of Adam's 2 m n.
+  Matrices of one view share their work: each group of them is stacked and decomposed by
+  one batched eigh/QR. Memory per rotated matrix [m, n]: L, R, Q_L, Q_R (2 m^2 + 2 n^2) on top
+  of Adam's 2 m n.
   """
   if frequency < 1:
     raise ValueError(f"basis_rotation's frequency must be >= 1, got {frequency}")
   s_beta = b2 if shampoo_beta is None else shampoo_beta
+  choose = default_rotation_mask if mask is None else mask
 
-  def leaves_of(tree):
-    """`tree`'s leaves, each one's `rotated_shape` (None where `mask` says plain), treedef."""
+  def layout(tree):
+    """(leaves, treedef, each leaf's view or None, the groups: view -> leaf indices)."""
     flat, treedef = jax.tree.flatten(tree)
-    kinds = [rotated_shape(p.shape, max_dim) for p in flat]
-    if mask is not None:
-      chosen = treedef.flatten_up_to(mask(tree))
-      kinds = [k if c else None for k, c in zip(kinds, chosen)]
-    return flat, kinds, treedef
+    chosen = treedef.flatten_up_to(choose(tree))
+    views = [matrix_view(p.shape, max_dim) if c else None for p, c in zip(flat, chosen)]
+    groups: dict = {}
+    for i, v in enumerate(views):
+      if v is not None:
+        groups.setdefault(v, []).append(i)
+    return flat, treedef, views, groups
 
   def init_fn(params):
-    flat, ks, treedef = leaves_of(params)
-    mu = [jnp.zeros_like(p) for p in flat]
+    flat, treedef, views, groups = layout(params)
+    mu = treedef.unflatten([jnp.zeros_like(p) for p in flat])
+    nu_plain = [jnp.zeros_like(p) if v is None else () for p, v in zip(flat, views)]
     nu, left, right, ql, qr = [], [], [], [], []
-    for p, kind in zip(flat, ks):
-      if kind is None:
-        nu.append(jnp.zeros_like(p))
-        left.append(()), right.append(()), ql.append(()), qr.append(())
-        continue
-      m, n, rot_l, rot_r = kind
-      nu.append(jnp.zeros((m, n), p.dtype))
-      left.append(jnp.zeros((m, m), p.dtype) if rot_l else ())
-      right.append(jnp.zeros((n, n), p.dtype) if rot_r else ())
-      ql.append(jnp.eye(m, dtype=p.dtype) if rot_l else ())
-      qr.append(jnp.eye(n, dtype=p.dtype) if rot_r else ())
-    un = lambda xs: treedef.unflatten(xs)
-    return BasisRotationState(jnp.zeros([], jnp.int32), un(mu), un(nu), un(left), un(right),
-                              un(ql), un(qr))
+    for (m, n, rot_l, rot_r), idx in groups.items():
+      B, dt = len(idx), flat[idx[0]].dtype
+      nu.append(jnp.zeros((B, m, n), dt))
+      left.append(jnp.zeros((B, m, m), dt) if rot_l else ())
+      right.append(jnp.zeros((B, n, n), dt) if rot_r else ())
+      ql.append(jnp.broadcast_to(jnp.eye(m, dtype=dt), (B, m, m)) if rot_l else ())
+      qr.append(jnp.broadcast_to(jnp.eye(n, dtype=dt), (B, n, n)) if rot_r else ())
+    return BasisRotationState(jnp.zeros([], jnp.int32), mu, (nu_plain, nu), left, right, ql, qr)
 
   def update_fn(updates, state, params=None):
     if weight_decay and params is None:
@@ -151,62 +169,63 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
     lr = _lr(learning_rate, state.count)
     step = lr * jnp.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t)
     cold, warm = count == 1, count % frequency == 0
-    flat_g, ks, treedef = leaves_of(updates)
-    fl = lambda tree: treedef.flatten_up_to(tree)
-    flat_p = fl(params) if params is not None else [None] * len(flat_g)
-    out = {name: [] for name in ("u", "mu", "nu", "left", "right", "ql", "qr")}
-    for g, p, kind, mu, nu, L, R, QL, QR in zip(flat_g, flat_p, ks, fl(state.mu), fl(state.nu),
-                                               fl(state.left), fl(state.right),
-                                               fl(state.q_left), fl(state.q_right)):
-      mu = b1 * mu + (1.0 - b1) * g
-      if kind is None:  # plain AdamW
-        nu = b2 * nu + (1.0 - b2) * g * g
-        direction = mu / (jnp.sqrt(nu) + eps)
-      else:
-        m, n, rot_l, rot_r = kind
-        G, M = g.reshape(m, n), mu.reshape(m, n)
+    flat_g, treedef, views, groups = layout(updates)
+    mus = [b1 * m + (1.0 - b1) * g for m, g in zip(treedef.flatten_up_to(state.mu), flat_g)]
+    nu_plain, nu_groups = state.nu
+    directions: list = [None] * len(flat_g)
+    new_plain = list(nu_plain)
+    for i, v in enumerate(views):
+      if v is None:
+        new_plain[i] = b2 * nu_plain[i] + (1.0 - b2) * flat_g[i] * flat_g[i]
+        directions[i] = mus[i] / (jnp.sqrt(new_plain[i]) + eps)
+    new = {"nu": [], "left": [], "right": [], "ql": [], "qr": []}
+    for j, ((m, n, rot_l, rot_r), idx) in enumerate(groups.items()):
+      G = jnp.stack([flat_g[i].reshape(m, n) for i in idx])
+      M = jnp.stack([mus[i].reshape(m, n) for i in idx])
+      L, R, QL, QR, nu = (state.left[j], state.right[j], state.q_left[j], state.q_right[j],
+                          nu_groups[j])
+      if rot_l:
+        L = s_beta * L + (1.0 - s_beta) * (G @ jnp.swapaxes(G, 1, 2))
+      if rot_r:
+        R = s_beta * R + (1.0 - s_beta) * (jnp.swapaxes(G, 1, 2) @ G)
+
+      def on_cold(QL, QR, nu, L=L, R=R, rot_l=rot_l, rot_r=rot_r):
+        return (_eig_descending(L) if rot_l else QL), (_eig_descending(R) if rot_r else QR), nu
+
+      def on_warm(QL, QR, nu, L=L, R=R, rot_l=rot_l, rot_r=rot_r):
         if rot_l:
-          L = s_beta * L + (1.0 - s_beta) * (G @ G.T)
+          QL, nu = _power_qr(L, QL, nu, 1)
         if rot_r:
-          R = s_beta * R + (1.0 - s_beta) * (G.T @ G)
+          QR, nu = _power_qr(R, QR, nu, 2)
+        return QL, QR, nu
 
-        def refresh(QL, QR, nu, L=L, R=R, rot_l=rot_l, rot_r=rot_r):
-          def on_cold(QL, QR, nu):
-            return (_eig_descending(L) if rot_l else QL), (_eig_descending(R) if rot_r
-                                                           else QR), nu
+      QL, QR, nu = jax.lax.cond(cold, on_cold,
+                                lambda *a, w=on_warm: jax.lax.cond(warm, w, lambda *b: b, *a),
+                                QL, QR, nu)
 
-          def on_warm(QL, QR, nu):
-            if rot_l:
-              QL, nu = _power_qr(L, QL, nu, 0)
-            if rot_r:
-              QR, nu = _power_qr(R, QR, nu, 1)
-            return QL, QR, nu
+      def rotate(X, QL=QL, QR=QR, rot_l=rot_l, rot_r=rot_r):  # Q_L^T X Q_R
+        X = jnp.swapaxes(QL, 1, 2) @ X if rot_l else X
+        return X @ QR if rot_r else X
 
-          return jax.lax.cond(cold, on_cold,
-                              lambda *a: jax.lax.cond(warm, on_warm, lambda *b: b, *a),
-                              QL, QR, nu)
-
-        QL, QR, nu = refresh(QL, QR, nu)
-        def rot(X, QL=QL, QR=QR, rot_l=rot_l, rot_r=rot_r):  # Q_L^T X Q_R
-          X = QL.T @ X if rot_l else X
-          return X @ QR if rot_r else X
-
-        Gt, Mt = rot(G), rot(M)
-        nu = b2 * nu + (1.0 - b2) * Gt * Gt
-        D = Mt / (jnp.sqrt(nu) + eps)
-        D = QL @ D if rot_l else D
-        D = D @ QR.T if rot_r else D
-        direction = D.reshape(g.shape)
-      u = -step * direction
+      Gt, Mt = rotate(G), rotate(M)
+      nu = b2 * nu + (1.0 - b2) * Gt * Gt
+      D = Mt / (jnp.sqrt(nu) + eps)
+      D = QL @ D if rot_l else D
+      D = D @ jnp.swapaxes(QR, 1, 2) if rot_r else D
+      for b, i in enumerate(idx):
+        directions[i] = D[b].reshape(flat_g[i].shape)
+      for name, value in zip(("nu", "left", "right", "ql", "qr"), (nu, L, R, QL, QR)):
+        new[name].append(value)
+    flat_p = treedef.flatten_up_to(params) if params is not None else [None] * len(flat_g)
+    out = []
+    for g, d, p in zip(flat_g, directions, flat_p):
+      u = -step * d
       if weight_decay:
         u = u - lr * weight_decay * p
-      for name, value in zip(("u", "mu", "nu", "left", "right", "ql", "qr"),
-                             (u.astype(g.dtype), mu, nu, L, R, QL, QR)):
-        out[name].append(value)
-    un = treedef.unflatten
-    return un(out["u"]), BasisRotationState(count, un(out["mu"]), un(out["nu"]),
-                                            un(out["left"]), un(out["right"]), un(out["ql"]),
-                                            un(out["qr"]))
+      out.append(u.astype(g.dtype))
+    return treedef.unflatten(out), BasisRotationState(
+        count, treedef.unflatten(mus), (new_plain, new["nu"]), new["left"], new["right"],
+        new["ql"], new["qr"])
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -246,7 +246,7 @@ def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None =
       milestones=tuple(config.lr_milestones), gamma=config.lr_gamma)
   base = make_optimizer(config.optimizer, lr, momentum=config.momentum,
                         nesterov=config.nesterov, weight_decay=config.weight_decay,
-                        **optimizer_hparams(config))
+                        peak_learning_rate=config.learning_rate, **optimizer_hparams(config))
   hparams = staleness_hparams(config, steps_per_epoch)
 
   def stage_optimizer(k, d):  # stage k's optimizer, given its delay d
@@ -285,6 +285,10 @@ def staleness_hparams(config, steps_per_epoch: int) -> dict:
                lam0=config.dc_lambda0)
   if "nesterov_delay" in parts:
     out["gamma"] = config.nesterov_gamma
+  if "error_feedback" in parts:
+    out["strength"] = config.get("staleness_strength", 1.0)
+  if "discrepancy_correction" in parts:
+    out["discrepancy_decay"] = config.get("discrepancy_decay", 0.9)
   return out
 
 

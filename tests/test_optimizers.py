@@ -42,6 +42,9 @@ def _np_basis_rotation(w, grads, lr, b1, b2, eps, wd, freq, max_dim):
   w = w.astype(np.float64)
   if len(shape) < 2:
     m_, n_ = None, None
+  elif len(shape) == 3:  # the closer-to-square of [a, b*c] and [a*b, c]
+    options = [(shape[0], shape[1] * shape[2]), (shape[0] * shape[1], shape[2])]
+    m_, n_ = min(options, key=lambda mn: abs(np.log(mn[0] / mn[1])))
   else:
     m_, n_ = int(np.prod(shape[:-1])), shape[-1]
   rot_l = m_ is not None and 2 <= m_ <= max_dim
@@ -97,9 +100,11 @@ def _np_basis_rotation(w, grads, lr, b1, b2, eps, wd, freq, max_dim):
 
 
 # Leaves: a full-rank statistic on one side and a one-dimensional null space on the other (so
-# the eigenvectors are unique up to sign, which the update does not see), a convolution kernel
-# (viewed as [2*1*2, 3]), a side above max_dim (kept unrotated), and a vector (plain Adam).
-BR_SHAPES = {"w": (3, 4), "conv": (2, 1, 2, 3), "tall": (6, 2), "b": (4,)}
+# the eigenvectors are unique up to sign, which the update does not see), a multi-head kernel
+# viewed as the same [3, 4] (one batched group with "w"), a convolution kernel (viewed as
+# [2*1*2, 3]), a side above max_dim (kept unrotated), and a vector (plain Adam).
+BR_SHAPES = {"w": (3, 4), "heads": (3, 2, 2), "conv": (2, 1, 2, 3), "tall": (6, 2),
+             "b": (4,)}
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.1])
@@ -120,17 +125,26 @@ def test_basis_rotation_matches_its_formula(wd):
 
 
 def test_basis_rotation_rotates_matrices_and_keeps_vectors_plain():
-  assert optimizers.rotated_shape((3, 4), 2048) == (3, 4, True, True)
-  assert optimizers.rotated_shape((3, 3, 16, 32), 2048) == (144, 32, True, True)
-  assert optimizers.rotated_shape((5000, 64), 2048) == (5000, 64, False, True)
-  assert optimizers.rotated_shape((7,), 2048) is None
-  assert optimizers.rotated_shape((1, 1), 2048) is None
+  view = optimizers.matrix_view
+  assert view((3, 4)) == (3, 4, True, True)
+  assert view((64, 4, 16)) == (64, 64, True, True)     # a query kernel [in, heads, dim]
+  assert view((4, 16, 64)) == (64, 64, True, True)     # an output kernel [heads, dim, out]
+  assert view((3, 3, 16, 32)) == (144, 32, True, True)  # a convolution [h, w, in, out]
+  assert view((5000, 64)) == (5000, 64, False, True)
+  assert view((7,)) is None and view((1, 1)) is None
+  flax_like = {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.ones((4, 2))},
+               "embed": {"embedding": jnp.ones((8, 3))}}
+  assert optimizers.default_rotation_mask(flax_like) == {
+      "dense": {"kernel": True, "bias": False}, "embed": {"embedding": False}}
+  assert optimizers.default_rotation_mask({"w": jnp.ones((2, 2)), "b": jnp.ones(2)}) == {
+      "w": True, "b": False}
   params = {"emb": jnp.ones((8, 3)), "w": jnp.ones((3, 4)), "b": jnp.ones(4)}
   mask = lambda p: {"emb": False, "w": True, "b": True}
   state = optimizers.basis_rotation(1e-3, mask=mask).init(params)
-  assert state.q_left["w"].shape == (3, 3) and state.q_right["w"].shape == (4, 4)
-  assert state.q_left["emb"] == () and state.nu["emb"].shape == (8, 3)
-  assert state.q_left["b"] == ()
+  (group,) = state.q_left
+  assert group.shape == (1, 3, 3) and state.q_right[0].shape == (1, 4, 4)
+  plain, _ = state.nu  # per leaf in key order (b, emb, w): () where rotated
+  assert plain[0].shape == (4,) and plain[1].shape == (8, 3) and plain[2] == ()
   # A masked leaf is the same Adam without rotation: a 1-D leaf's rule on its entries.
   grads = _grads({"emb": (8, 3), "w": (3, 4), "b": (4,)}, 5)
   got = _drive(optimizers.basis_rotation(0.01, mask=mask), params, grads)
@@ -279,3 +293,17 @@ def test_optimizer_parameters_list_what_the_factory_takes():
   assert "ns_steps" in optimizer_parameters("muon")
   assert optimizer_parameters("nadam_warmup") == ("b1", "b2", "eps", "momentum_decay",
                                                   "weight_decay")
+
+
+def test_a_second_rate_follows_the_schedule():
+  sched = optax.cosine_decay_schedule(0.02, 10)
+  tx = make_optimizer("muon", sched, weight_decay=0.0, peak_learning_rate=0.02,
+                      adam_learning_rate=1e-3)
+  ref = optax.contrib.muon(sched, adam_learning_rate=lambda c: sched(c) * 0.05)
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+  grads = _grads({"w": (4, 3), "b": (3,)}, 4)
+  for a, b in zip(_drive(tx, params, grads), _drive(ref, params, grads)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(x, y, rtol=1e-6)
+  with pytest.raises(ValueError, match="peak_learning_rate"):
+    make_optimizer("muon", sched, weight_decay=0.0, adam_learning_rate=1e-3)

@@ -1,0 +1,387 @@
+"""Delay-robust optimisation: which optimiser and remedy keep BP's quality under DDG and FDG.
+
+    python benchmarks/delay_robust.py --part vit          # ~1 h on 2 CPU cores
+    python benchmarks/delay_robust.py --part gpt          # ~1.5 h
+    python benchmarks/delay_robust.py --part mlp          # ~1 h
+    python benchmarks/delay_robust.py --part vit --report  # tables from the saved runs only
+
+Workloads (each `fdg_jax.trainer.train_and_evaluate` on a config of this repository):
+  gpt  configs/lm.py at width 64: token embedding, 6 causal pre-norm blocks of 4 heads, head
+       (8 blocks); sequences of 64 bytes, batch 32, --gpt_epochs over the first 1 MB of the
+       corpus's training split; score: validation loss per byte (perplexity = exp).
+  vit  ViT on digits (patch 2: 16 tokens, width 64, 6 blocks of 4 heads; 8 blocks), batch 32,
+       --vit_epochs, cosine with a 1-epoch warm-up; score: accuracy.
+  mlp  MLP of 7 hidden blocks of --mlp_width and a head (8 blocks) on digits, SGD momentum 0.9,
+       30 epochs; score: accuracy.
+Schedules: BP (K=1), DDG and FDG at K=4 and K=8 (balanced splits, beta 1 unless a remedy sets
+it). Optimisers (Adam-family workloads, weight decay 0 for all): adamw (lr 1e-3), muon (lr
+0.02 on matrices, Adam at 1e-3 on the rest), basis_rotation (lr 1e-3, bases every 10 steps),
+nadam_warmup (PipeNAG's NAdam, b1 0.99, lr 1e-3); each lr is a base scaled by the grid.
+
+Protocol (successive halving; every choice on a held-out part of the training split, seed 0,
+never on the split reported):
+  1. screen: every optimiser at BP and FDG K=8, each lr multiplier of --lrs;
+  2. the K=8 finalists (the --finalists optimisers with the best validation score at FDG K=8,
+     plus AdamW as the reference): DDG K=4, FDG K=4 and DDG K=8 over the same lr grid; then
+     each remedy of REMEDIES at FDG K=4 and K=8 (and DDG K=8) at that cell's chosen lr;
+  3. test: every cell's chosen setting with each seed of --seeds, on the test split (gpt: the
+     corpus's validation files; images: the test split).
+The held-out part: digits, 20% of the training split (fixed permutation); text, the training
+split's bytes after the first 1 MB (other files than those trained on).
+mlp: the optimiser is SGD momentum 0.9 (no screen); the lr grid and the remedies run at every
+delayed schedule; --mlp_width and --mlp_lr give the robustness runs' settings.
+
+Every run's record is saved under --workdir as it finishes; a rerun reuses them (so a part can
+be stopped and resumed, and --report prints the tables without training). Writes
+docs/delay_robust_<part>.json and prints markdown tables: per optimiser the delay's cost
+(each schedule against BP with the same optimiser), and the headline (the best delayed run
+per schedule against the best BP run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from parity import ROOT, load_config, run_one, validation_split  # noqa: E402
+
+SCHEDULES = {"BP": {"algorithm": "bp", "num_stages": 1},
+             "DDG K=4": {"algorithm": "ddg", "num_stages": 4},
+             "FDG K=4": {"algorithm": "fdg", "num_stages": 4},
+             "DDG K=8": {"algorithm": "ddg", "num_stages": 8},
+             "FDG K=8": {"algorithm": "fdg", "num_stages": 8}}
+ADAM_FAMILY = {
+    "adamw": {"optimizer": "adamw", "learning_rate": 1e-3},
+    "muon": {"optimizer": "muon", "learning_rate": 0.02,
+             "optimizer_kwargs": {"adam_learning_rate": 1e-3}},
+    "basis_rotation": {"optimizer": "basis_rotation", "learning_rate": 1e-3},
+    "nadam_warmup": {"optimizer": "nadam_warmup", "learning_rate": 1e-3},
+}
+SGD = {"sgd_m0.9": {"optimizer": "sgd", "momentum": 0.9, "learning_rate": 0.03}}
+# Remedies tried on the delayed schedules (at the cell's chosen lr). Config fields.
+REMEDIES = {
+    "adam": {
+        "error_feedback 0.5": {"staleness": "error_feedback", "staleness_strength": 0.5},
+        "weight_prediction": {"staleness": "weight_prediction"},
+        "weight_prediction+lr_by_delay": {"staleness": "weight_prediction+lr_by_delay",
+                                          "staleness_ramp_epochs": "sixth"},
+    },
+    "sgd": {
+        "beta 0.5": {"beta": 0.5},
+        "spike_compensation+lr_by_delay": {"staleness": "spike_compensation+lr_by_delay",
+                                           "staleness_ramp_epochs": -1.0},
+        "error_feedback 0.5": {"staleness": "error_feedback", "staleness_strength": 0.5},
+        "error_feedback 0.5, beta 0.5": {"staleness": "error_feedback",
+                                         "staleness_strength": 0.5, "beta": 0.5},
+    },
+}
+
+
+def workload(part: str, args) -> tuple[str, dict, dict]:
+  """(config file, fields common to the part's runs, optimisers)."""
+  if part == "gpt":
+    return str(ROOT / "configs" / "lm.py"), {
+        "model_kwargs": {"seq_len": 64, "dim": 64, "depth": 6, "num_heads": 4},
+        "seq_len": 64, "text_max_bytes": 1_000_000, "num_epochs": args.gpt_epochs,
+        "batch_size": 32, "weight_decay": 0.0, "momentum": 0.0, "split": "balanced",
+        "eval_every_epochs": args.gpt_epochs}, ADAM_FAMILY
+  if part == "vit":
+    return str(ROOT / "configs" / "default.py"), {
+        "model": "vit", "split": "balanced", "weight_decay": 0.0, "momentum": 0.0,
+        "num_epochs": args.vit_epochs, "eval_every_epochs": args.vit_epochs,
+        "model_kwargs": {"input_shape": (8, 8, 1), "patch_size": 2, "dim": 64, "depth": 6,
+                         "num_heads": 4}}, ADAM_FAMILY
+  return str(ROOT / "configs" / "default.py"), {
+      "model": "mlp", "model_kwargs": {"widths": (args.mlp_width,) * 7}, "split": "uniform",
+      "num_epochs": 30, "eval_every_epochs": 30}, {
+          "sgd_m0.9": {**SGD["sgd_m0.9"], "learning_rate": args.mlp_lr}}
+
+
+# ------------------------------------------------------------------------------ held-out data
+@contextlib.contextmanager
+def text_validation_split(offset: int, size: int):
+  """Makes the text corpus's "validation" split the training split's bytes
+  [offset, offset + size): files the run never trains on (it reads the first `offset`)."""
+  from fdg_jax.data import text
+  original = text.load_text
+
+  def load(split="train", **kwargs):
+    if text._check_split(split) == "train":
+      return original("train", **kwargs)
+    kwargs = {**kwargs, "max_bytes": offset + size}
+    full = original("train", **kwargs)
+    tokens = full.tokens[offset:]
+    tokens.flags.writeable = False
+    return text.TextDataset(**{**full.__dict__, "split": "validation", "tokens": tokens,
+                               "sha256": f"{full.sha256}[{offset}:]"})
+
+  text.load_text = load
+  try:
+    yield
+  finally:
+    text.load_text = original
+
+
+def _worker(task: dict) -> dict:
+  """One run in a worker process: the config, its fields, and where it is scored."""
+  import ml_collections
+  config = load_config(task["config"])
+  fields = dict(task["fields"])
+  for key in ("model_kwargs", "optimizer_kwargs"):
+    if key in fields:
+      config[key] = ml_collections.ConfigDict(fields.pop(key))
+  if task["held_out"] == "text":
+    held = text_validation_split(fields.get("text_max_bytes", 1_000_000), 250_000)
+  elif task["held_out"] == "images":
+    held = validation_split(0.2)
+  else:
+    held = contextlib.nullcontext()
+  with held:
+    record = run_one(config, task["workroot"], task["name"], **fields)
+  record.pop("curve", None)
+  return record
+
+
+# ------------------------------------------------------------------------------ the protocol
+class Study:
+  def __init__(self, args):
+    self.args = args
+    self.part = args.part
+    self.config, self.common, self.optimizers = workload(args.part, args)
+    if args.epochs:
+      self.common.update(num_epochs=args.epochs, eval_every_epochs=args.epochs,
+                         warmup_epochs=min(1.0, args.epochs / 5))
+    self.family = "sgd" if args.part == "mlp" else "adam"
+    self.records: dict[str, dict] = {}
+    self.store = pathlib.Path(args.workdir) / args.part / "records"
+    self.store.mkdir(parents=True, exist_ok=True)
+    self.pool = None if args.report else concurrent.futures.ProcessPoolExecutor(
+        max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn"))
+
+  def score(self, r: dict) -> float:
+    if r is None or r["diverged"] or r["test_loss"] is None or math.isnan(r["test_loss"]):
+      return -math.inf
+    if self.part == "gpt":
+      return -r["test_loss"]
+    return r["test_accuracy"] - 1e-3 * r["test_loss"]  # ties: lower loss
+
+  def fields(self, optimizer: str, schedule: str, lr_mult: float, remedy: str | None,
+             seed: int) -> dict:
+    spec = dict(self.optimizers[optimizer])
+    f = {**self.common, **SCHEDULES[schedule], **spec, "seed": seed}
+    f["learning_rate"] = spec["learning_rate"] * lr_mult
+    if "optimizer_kwargs" in spec:
+      f["optimizer_kwargs"] = {k: v * lr_mult if k.endswith("learning_rate") else v
+                               for k, v in spec["optimizer_kwargs"].items()}
+    for key, value in (REMEDIES[self.family][remedy] if remedy else {}).items():
+      if value == "sixth":  # a ramp over the first sixth of training
+        value = f["num_epochs"] / 6.0
+      f[key] = value
+    f["staleness_ramp_epochs"] = f.get("staleness_ramp_epochs", -1.0)
+    return f
+
+  def name(self, optimizer, schedule, lr_mult, remedy, seed, held_out) -> str:
+    bits = [("val" if held_out else "test"), optimizer, schedule.replace(" K=", "k").lower(),
+            f"lr{lr_mult:g}", (remedy or "plain").replace(" ", "_").replace(",", ""),
+            f"s{seed}"]
+    return "_".join(bits)
+
+  def run(self, cells: list[tuple], held_out: bool) -> list[dict]:
+    """Runs (optimizer, schedule, lr multiplier, remedy, seed) cells; reuses saved ones."""
+    todo, names = [], []
+    for cell in cells:
+      name = self.name(*cell, held_out)
+      names.append(name)
+      path = self.store / f"{name}.json"
+      if name in self.records:
+        continue
+      if path.exists():
+        self.records[name] = json.loads(path.read_text())
+        continue
+      if self.pool is None:
+        continue
+      kind = ("text" if self.part == "gpt" else "images") if held_out else None
+      todo.append({"name": name, "config": self.config, "fields": self.fields(*cell),
+                   "held_out": kind, "workroot": str(pathlib.Path(self.args.workdir) / self.part),
+                   "cell": cell})
+    futures = {self.pool.submit(_worker, t): t for t in todo} if todo else {}
+    for fut in concurrent.futures.as_completed(futures):
+      t = futures[fut]
+      record = {**fut.result(), "cell": list(t["cell"]), "held_out": held_out}
+      if self.part == "gpt" and not record["diverged"]:
+        record["test_perplexity"] = math.exp(record["test_loss"])
+      (self.store / f"{t['name']}.json").write_text(json.dumps(record))
+      self.records[t["name"]] = record
+    return [self.records.get(n) for n in names]
+
+  def best(self, optimizer, schedule, remedies=(None,)) -> tuple:
+    """The (lr multiplier, remedy) with the best validation score among those run."""
+    options = [(m, r) for r in remedies for m in self.args.lrs]
+    rows = self.run([(optimizer, schedule, m, r, 0) for m, r in options], True)
+    scored = [(self.score(row), -i, opt) for i, (row, opt) in enumerate(zip(rows, options))]
+    return max(scored)[2] if scored else (1.0, None)
+
+  def protocol(self) -> dict:
+    a = self.args
+    chosen: dict = {}
+    optimizers = list(self.optimizers)
+    # 1. screen: every optimiser at BP and FDG K=8 over the lr grid.
+    self.run([(o, s, m, None, 0) for o in optimizers for s in ("BP", "FDG K=8")
+              for m in a.lrs], True)
+    for o in optimizers:
+      for s in ("BP", "FDG K=8"):
+        chosen[(o, s)] = self.best(o, s)
+    if self.family == "sgd":
+      finalists = optimizers
+    else:
+      k8 = sorted(optimizers, key=lambda o: -self.score(self.run(
+          [(o, "FDG K=8", chosen[(o, "FDG K=8")][0], None, 0)], True)[0]))
+      finalists = list(dict.fromkeys(k8[:a.finalists] + ["adamw"]))
+    # 2. the finalists' other delayed schedules, then the remedies.
+    others = ("DDG K=4", "FDG K=4", "DDG K=8")
+    self.run([(o, s, m, None, 0) for o in finalists for s in others for m in a.lrs], True)
+    remedies = list(REMEDIES[self.family])
+    for o in finalists:
+      for s in others:
+        chosen[(o, s)] = self.best(o, s)
+      for s in ("FDG K=4", "FDG K=8", "DDG K=8"):
+        lr = chosen[(o, s)][0]
+        plain = self.run([(o, s, lr, None, 0)], True)[0]
+        rows = self.run([(o, s, lr, r, 0) for r in remedies], True)
+        options = [(self.score(plain), 0, (lr, None))] + [
+            (self.score(row), -1 - i, (lr, r)) for i, (row, r) in enumerate(zip(rows, remedies))]
+        chosen[(o, s)] = max(options)[2]
+    # 3. test every chosen setting with every seed.
+    tests = {}
+    for (o, s), (lr, remedy) in chosen.items():
+      rows = self.run([(o, s, lr, remedy, seed) for seed in a.seeds], False)
+      tests[(o, s)] = {"lr_mult": lr, "remedy": remedy, "rows": rows}
+    return {"chosen": chosen, "tests": tests, "finalists": finalists}
+
+  def close(self):
+    if self.pool is not None:
+      self.pool.shutdown()
+
+
+# ------------------------------------------------------------------------------ reporting
+def _stats(rows, key):
+  vals = [r[key] for r in rows if r is not None and not r["diverged"]]
+  if not vals:
+    return math.nan, math.nan, 0
+  return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
+
+
+def report(study: Study, result: dict) -> tuple[str, dict]:
+  part = study.part
+  key = "test_perplexity" if part == "gpt" else "test_accuracy"
+  scale = 1.0 if part == "gpt" else 100.0
+  unit = "perplexity" if part == "gpt" else "accuracy %"
+  summary = {}
+  for (o, s), t in result["tests"].items():
+    mean, std, n = _stats(t["rows"], key)
+    summary[f"{o} | {s}"] = {"optimizer": o, "schedule": s, "lr_mult": t["lr_mult"],
+                             "remedy": t["remedy"], "mean": mean * scale, "std": std * scale,
+                             "runs": n, "seeds": len(t["rows"]),
+                             "diverged": sum(bool(r and r["diverged"]) for r in t["rows"])}
+  lines = [f"### {part}: test {unit}, mean ± std over seeds (chosen lr multiplier, remedy)",
+           "", "| optimizer | " + " | ".join(SCHEDULES) + " |", "|" + "---|" * (len(SCHEDULES) + 1)]
+  for o in study.optimizers:
+    cells = []
+    for s in SCHEDULES:
+      e = summary.get(f"{o} | {s}")
+      if e is None:
+        cells.append("–")
+        continue
+      tag = f" ×{e['lr_mult']:g}" + (f", {e['remedy']}" if e["remedy"] else "")
+      div = f", {e['diverged']} div." if e["diverged"] else ""
+      cells.append(f"{e['mean']:.2f} ± {e['std']:.2f}{div} ({tag.strip()})")
+    lines.append(f"| {o} | " + " | ".join(cells) + " |")
+  better = min if part == "gpt" else max
+  lines += ["", f"The delay's cost per optimiser (schedule minus BP with the same optimiser; "
+            f"{unit}):", "", "| optimizer | " + " | ".join(list(SCHEDULES)[1:]) + " |",
+            "|" + "---|" * len(SCHEDULES)]
+  for o in study.optimizers:
+    bp = summary.get(f"{o} | BP")
+    if bp is None:
+      continue
+    cells = []
+    for s in list(SCHEDULES)[1:]:
+      e = summary.get(f"{o} | {s}")
+      if e is None:
+        cells.append("–")
+      elif part == "gpt":
+        cells.append(f"{100 * (e['mean'] / bp['mean'] - 1):+.1f}%")
+      else:
+        cells.append(f"{e['mean'] - bp['mean']:+.2f}")
+    lines.append(f"| {o} | " + " | ".join(cells) + " |")
+  bps = [e for e in summary.values() if e["schedule"] == "BP" and e["runs"]]
+  if bps:
+    best_bp = better(bps, key=lambda e: e["mean"])
+    lines += ["", f"Headline: the best delayed run per schedule against the best BP run "
+              f"({best_bp['optimizer']}, {best_bp['mean']:.2f}):", ""]
+    for s in list(SCHEDULES)[1:]:
+      es = [e for e in summary.values() if e["schedule"] == s and e["runs"]]
+      if not es:
+        continue
+      e = better(es, key=lambda e: e["mean"])
+      gap = (f"{100 * (e['mean'] / best_bp['mean'] - 1):+.1f}%" if part == "gpt"
+             else f"{e['mean'] - best_bp['mean']:+.2f} points")
+      lines.append(f"- {s}: {e['optimizer']}" + (f" + {e['remedy']}" if e["remedy"] else "")
+                   + f" {e['mean']:.2f} ± {e['std']:.2f} ({gap})")
+  return "\n".join(lines), summary
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", required=True, choices=("gpt", "vit", "mlp"))
+  parser.add_argument("--lrs", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                      help="learning-rate multipliers of each optimiser's base")
+  parser.add_argument("--finalists", type=int, default=2)
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--gpt_epochs", type=int, default=1)
+  parser.add_argument("--vit_epochs", type=int, default=15)
+  parser.add_argument("--mlp_width", type=int, default=96)
+  parser.add_argument("--mlp_lr", type=float, default=0.03)
+  parser.add_argument("--epochs", type=int, default=0,
+                      help="override every run's epochs (0: the part's own; for a smoke run)")
+  parser.add_argument("--jobs", type=int, default=2)
+  parser.add_argument("--report", action="store_true", help="tables from saved runs only")
+  parser.add_argument("--workdir", default=str(ROOT / "runs" / "delay_robust"))
+  parser.add_argument("--out", default="")
+  args = parser.parse_args(argv)
+  if args.part == "mlp" and (args.mlp_width != 96 or args.mlp_lr != 0.03):
+    args.workdir = os.path.join(args.workdir, f"w{args.mlp_width}_lr{args.mlp_lr:g}")
+  started = time.time()
+  study = Study(args)
+  try:
+    result = study.protocol()
+  finally:
+    study.close()
+  text, summary = report(study, result)
+  print(text)
+  variant = (f"_w{args.mlp_width}_lr{args.mlp_lr:g}"
+             if args.part == "mlp" and (args.mlp_width != 96 or args.mlp_lr != 0.03) else "")
+  out = args.out or str(ROOT / "docs" / f"delay_robust_{args.part}{variant}.json")
+  if not args.report:
+    with open(out, "w") as f:
+      json.dump({"part": args.part, "args": {k: v for k, v in vars(args).items()},
+                 "finalists": result["finalists"],
+                 "chosen": {f"{o} | {s}": list(c) for (o, s), c in result["chosen"].items()},
+                 "summary": summary, "runs": list(study.records.values()),
+                 "total_time_s": time.time() - started}, f, indent=1, allow_nan=True)
+    print(f"wrote {out} in {time.time() - started:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
