@@ -28,7 +28,8 @@ def main(argv):
   # CPU devices must be requested before JAX starts its backends.
   from fdg_jax import runtime, trainer
   trainer.setup_cpu_devices(int(config.get("num_cpu_devices", 1) or 1))
-  runtime.initialize()  # joins a multi-process run (jax.distributed) when launched as one
+  # Joins a multi-process run (jax.distributed) when launched as one.
+  runtime.initialize(peer_timeout_s=int(config.get("peer_timeout_s", 30)))
   from fdg_jax.data import DatasetNotFoundError
 
   workdir = _WORKDIR.value or os.path.join(
@@ -72,4 +73,9 @@ def parse_flags(argv):
 
 
 if __name__ == "__main__":
+  from fdg_jax.runtime import peers
+  if peers.is_multiprocess_env() and not os.environ.get(peers.CHILD_ENV):
+    # One process of several: train in a child, so that a lost peer (whose news JAX turns
+    # into an abort of this process) ends it with one line and exit code 3.
+    sys.exit(peers.supervise(sys.argv))
   app.run(main, flags_parser=parse_flags)

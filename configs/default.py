@@ -88,6 +88,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ticks_per_call = 32        # ticks run by one schedule.run call (fewer at log, eval and
                                # checkpoint boundaries)
   c.num_replicas = 1           # data-parallel replicas of the pipeline (DP x FDG)
+  c.peer_timeout_s = 30        # several processes: a process silent (no heartbeat) this long
+                               # is reported lost by the others (one line, exit code 3); a
+                               # lost coordinator (process 0) is noticed at once
   c.eval_batch_size = 512
   c.max_steps = -1             # stop after this many ticks (-1: num_epochs)
   c.progress_bar = True

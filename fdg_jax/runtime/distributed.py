@@ -13,6 +13,8 @@ from typing import Sequence
 
 import jax
 
+from fdg_jax.runtime import peers
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # also read by jax.distributed itself
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -23,13 +25,16 @@ _AUTO_DETECTED = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
                local_device_ids: Sequence[int] | None = None,
-               timeout_s: int = 300) -> bool:
+               timeout_s: int = 300, peer_timeout_s: int = peers.DEFAULT_TIMEOUT_S) -> bool:
   """Starts the multi-process runtime if this process is one of several; else does nothing.
 
   Call it first, before any other JAX call. Each argument defaults to its environment
   variable (JAX_COORDINATOR_ADDRESS "host:port", JAX_NUM_PROCESSES, JAX_PROCESS_ID), as set
   by `python -m fdg_jax.launch`. Without them, under SLURM or Open MPI with more than one
-  task, JAX detects the cluster itself.
+  task, JAX detects the cluster itself. `timeout_s` bounds the wait for every process to
+  join; `peer_timeout_s` is how long a process may go without a heartbeat before the
+  coordination service declares it lost (JAX's default is 100 s; under `train.py` the others
+  then end with one line and exit code `peers.EXIT_CODE`, see `fdg_jax.runtime.peers`).
 
   Returns:
     True if this process joined a multi-process run (it is now `jax.process_index()` of
@@ -48,7 +53,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if not any(int(env.get(name, "1") or 1) > 1 for name in _AUTO_DETECTED):
       return False
     _use_cpu_collectives()
-    jax.distributed.initialize(initialization_timeout=timeout_s)
+    jax.distributed.initialize(initialization_timeout=timeout_s,
+                               heartbeat_timeout_seconds=int(peer_timeout_s))
     return True
   if num_processes == 1:
     return False
@@ -59,7 +65,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   _use_cpu_collectives()
   jax.distributed.initialize(address, num_processes, process_id,
                              local_device_ids=local_device_ids,
-                             initialization_timeout=timeout_s)
+                             initialization_timeout=timeout_s,
+                             heartbeat_timeout_seconds=int(peer_timeout_s))
   return True
 
 
