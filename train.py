@@ -28,6 +28,8 @@ def main(argv):
   # CPU devices must be requested before JAX starts its backends.
   from fdg_jax import runtime, trainer
   trainer.setup_cpu_devices(int(config.get("num_cpu_devices", 1) or 1))
+  # Compiled programs persist across runs (resumes, repeats): see --config.compilation_cache.
+  runtime.compile_cache.enable(config.get("compilation_cache", "auto"))
   # Joins a multi-process run (jax.distributed) when launched as one.
   runtime.initialize(peer_timeout_s=int(config.get("peer_timeout_s", 30)))
   from fdg_jax.data import DatasetNotFoundError

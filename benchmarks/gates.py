@@ -15,6 +15,7 @@ its default), the masked tick's time and the conditionals' time over the masks' 
 
 from __future__ import annotations
 
+import os
 import argparse
 
 import numpy as np
@@ -59,6 +60,8 @@ def build(width, batch):
 
 
 def main(argv=None) -> dict:
+  from fdg_jax.runtime import compile_cache
+  compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
   args = parse_args(argv)
   import fdg_jax
   from fdg_jax.bench import schedules as B

@@ -102,9 +102,17 @@ def validation_split(fraction: float, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------ runs
+def enable_compilation_cache() -> None:
+  """JAX's persistent compilation cache, as train.py has it (FDG_JAX_COMPILATION_CACHE: a
+  directory, or off; default the user-level one)."""
+  from fdg_jax.runtime import compile_cache
+  compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
+
+
 def run_one(base, workroot: str, name: str, **fields) -> dict:
   """One `train_and_evaluate` run of `base` with `fields` changed; returns its record."""
   from fdg_jax import trainer
+  enable_compilation_cache()
 
   config = base.copy_and_resolve_references()
   for key, value in fields.items():

@@ -29,6 +29,7 @@ tick, weights apart; `--out` also writes them as JSON.
 
 from __future__ import annotations
 
+import os
 import argparse
 import collections
 import contextlib
@@ -169,6 +170,8 @@ def patched(methods: dict):
 
 
 def main(argv=None) -> dict:
+  from fdg_jax.runtime import compile_cache
+  compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
   args = parse_args(argv)
   from fdg_jax.bench import schedules as B
   model = B.build_model("mlp", {"widths": [128] * 4}, (8, 8, 1))

@@ -93,5 +93,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                # lost coordinator (process 0) is noticed at once
   c.eval_batch_size = 512
   c.max_steps = -1             # stop after this many ticks (-1: num_epochs)
+  c.compilation_cache = "auto"  # JAX's persistent compilation cache: auto (a user-level
+                               # directory shared by runs, ~/.cache/fdg_jax/xla or
+                               # $FDG_JAX_CACHE_DIR), a directory, or "off"
   c.progress_bar = True
   return c

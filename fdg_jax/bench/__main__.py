@@ -1,10 +1,15 @@
 """`python -m fdg_jax.bench COMMAND ...` (see `fdg_jax.bench`)."""
 
+import os
 import sys
 
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  # Programs compiled once serve later runs (FDG_JAX_COMPILATION_CACHE=off to measure
+  # compilation itself).
+  from fdg_jax.runtime import compile_cache
+  compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
   if argv and argv[0] == "concurrency":
     from fdg_jax.bench import concurrency
     concurrency.main(argv[1:])

@@ -12,10 +12,10 @@ live in some processes only with `fetch`, in every process alike.
 """
 
 from fdg_jax.placement import Placement, make_mesh, move
-from fdg_jax.runtime import peers
+from fdg_jax.runtime import compile_cache, peers
 from fdg_jax.runtime.arrays import fetch
 from fdg_jax.runtime.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                          initialize)
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "Placement", "fetch",
-           "initialize", "make_mesh", "move", "peers"]
+           "compile_cache", "initialize", "make_mesh", "move", "peers"]
