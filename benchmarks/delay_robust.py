@@ -78,11 +78,19 @@ REMEDIES = {
     },
     "sgd": {
         "beta 0.5": {"beta": 0.5},
+        "lr_by_delay": {"staleness": "lr_by_delay", "staleness_ramp_epochs": -1.0},
         "spike_compensation+lr_by_delay": {"staleness": "spike_compensation+lr_by_delay",
                                            "staleness_ramp_epochs": -1.0},
+        "spike_compensation+lr_by_delay, beta 0.5": {
+            "staleness": "spike_compensation+lr_by_delay", "staleness_ramp_epochs": -1.0,
+            "beta": 0.5},
         "error_feedback 0.5": {"staleness": "error_feedback", "staleness_strength": 0.5},
         "error_feedback 0.5, beta 0.5": {"staleness": "error_feedback",
                                          "staleness_strength": 0.5, "beta": 0.5},
+        "spike_compensation+weight_prediction": {
+            "staleness": "spike_compensation+weight_prediction"},
+        "nesterov_delay 0.9": {"staleness": "nesterov_delay", "nesterov_gamma": 0.9},
+        "dc adaptive": {"staleness": "dc", "dc_adaptive": True},
     },
 }
 
@@ -146,8 +154,12 @@ def _worker(task: dict) -> dict:
     held = validation_split(0.2)
   else:
     held = contextlib.nullcontext()
-  with held:
-    record = run_one(config, task["workroot"], task["name"], **fields)
+  try:
+    with held:
+      record = run_one(config, task["workroot"], task["name"], **fields)
+  except Exception as e:  # a run that cannot start counts as failed, the study goes on
+    return {"name": task["name"], "diverged": True, "error": f"{type(e).__name__}: {e}",
+            "test_accuracy": math.nan, "test_loss": math.nan, "wall_time": 0.0}
   record.pop("curve", None)
   return record
 
@@ -250,11 +262,12 @@ class Study:
     # 2. the finalists' other delayed schedules, then the remedies.
     others = ("DDG K=4", "FDG K=4", "DDG K=8")
     self.run([(o, s, m, None, 0) for o in finalists for s in others for m in a.lrs], True)
-    remedies = list(REMEDIES[self.family])
     for o in finalists:
       for s in others:
         chosen[(o, s)] = self.best(o, s)
       for s in ("FDG K=4", "FDG K=8", "DDG K=8"):
+        remedies = [r for r in REMEDIES[self.family]  # shrinking is FDG's
+                    if "beta" not in REMEDIES[self.family][r] or s.startswith("FDG")]
         lr = chosen[(o, s)][0]
         plain = self.run([(o, s, lr, None, 0)], True)[0]
         rows = self.run([(o, s, lr, r, 0) for r in remedies], True)
@@ -371,7 +384,7 @@ def main(argv=None) -> int:
   print(text)
   variant = (f"_w{args.mlp_width}_lr{args.mlp_lr:g}"
              if args.part == "mlp" and (args.mlp_width != 96 or args.mlp_lr != 0.03) else "")
-  out = args.out or str(ROOT / "docs" / f"delay_robust_{args.part}{variant}.json")
+  out = args.out or str(ROOT / "docs" / "results" / f"delay_robust_{args.part}{variant}.json")
   if not args.report:
     with open(out, "w") as f:
       json.dump({"part": args.part, "args": {k: v for k, v in vars(args).items()},

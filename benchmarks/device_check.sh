@@ -16,10 +16,10 @@
 #                  gated by masks and by chained conditionals (`Schedule.gate`; on CPU the
 #                  conditionals are the default), each also with XLA:GPU's copy insertion
 #                  with region analysis, side by side (on CPU its twin is the default, and
-#                  lets the stash rings drop their heads: docs/results.md 3.9)
+#                  lets the stash rings drop their heads: docs/notes.md 3.9)
 # (Stash memory is exact on any machine: `python -m fdg_jax.bench memory` needs no accelerator.)
 # The most wanted figures come first.
-# The figures go to docs/results.md, marked with the device they were measured on.
+# The figures go to docs/notes.md, marked with the device they were measured on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_check}

@@ -1,6 +1,6 @@
 """FDG K=4's fused `run` with its stages gated by masks or by chained conditionals, by size.
 
-    python benchmarks/gates.py [--repeats 5] [--out docs/bench_gates_cpu.json]
+    python benchmarks/gates.py [--repeats 5] [--out docs/results/bench_gates_cpu.json]
 
 `Schedule.gate` picks how the fused engine gates each stage's work on the warm-up flags:
 "mask" (compute, then keep the old state where the flag is off) or "cond" (a switch over

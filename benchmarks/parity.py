@@ -1,7 +1,7 @@
 """Accuracy parity of BP, DDG and FDG on the embedded digits data (the quick-start config).
 
     python benchmarks/parity.py                      # ~10 min on 2 CPU cores
-    python benchmarks/parity.py --plot_only          # redraw docs/parity.png from docs/parity.json
+    python benchmarks/parity.py --plot_only          # redraw docs/results/parity.png from docs/results/parity.json
 
 Every run is `fdg_jax.trainer.train_and_evaluate` on `configs/default.py` (MLP 4x128, batch 32,
 SGD lr 0.05 momentum 0.5, cosine, 30 epochs, 4 CPU devices) with only the method changed, run
@@ -310,8 +310,8 @@ def main(argv=None) -> int:
                       help="FDG betas of the side experiment")
   parser.add_argument("--side_stages", type=int, default=4)
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "parity"))
-  parser.add_argument("--out", default=str(ROOT / "docs" / "parity.json"))
-  parser.add_argument("--plot", default=str(ROOT / "docs" / "parity.png"))
+  parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "parity.json"))
+  parser.add_argument("--plot", default=str(ROOT / "docs" / "results" / "parity.png"))
   parser.add_argument("--plot_only", action="store_true",
                       help="only redraw --plot from an existing --out")
   args = parser.parse_args(argv)

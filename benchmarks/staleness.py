@@ -2,7 +2,7 @@
 
     python benchmarks/staleness.py                   # the whole study (~1.5 h on 2 CPU cores)
     python benchmarks/staleness.py --cells mlp8:8:paper --seeds 0   # one cell, one seed
-    python benchmarks/staleness.py --refine mlp8:8:paper --out docs/staleness_refine.json
+    python benchmarks/staleness.py --refine mlp8:8:paper --out docs/results/staleness_refine.json
 
 A cell is (model, K, optimiser):
   models      mlp8: the MLP of 7 hidden blocks of 128 and a head (8 blocks);
@@ -24,7 +24,7 @@ In every cell:
    selected beta, and the recommended setting at other learning rates and widths (mlp8, K=8,
    the paper's momentum), for each seed.
 Default cells: mlp8 at K=8 with both optimisers, mlp8 and cnn at K=4 with the paper's (the
-quick start's optimiser at K=4 already matches BP without remedies: docs/results.md, 1).
+quick start's optimiser at K=4 already matches BP without remedies: docs/notes.md, 1).
 
 --refine CELL runs instead a second, less noisy selection round in one cell: REFINE's
 settings (the first round's best on validation, and their neighbours) on the validation split
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
                       help="only a second selection round in this cell (REFINE's settings, "
                            "validation with every seed), e.g. mlp8:8:paper")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "staleness"))
-  parser.add_argument("--out", default=str(ROOT / "docs" / "staleness.json"))
+  parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "staleness.json"))
   args = parser.parse_args(argv)
   for cell in args.cells:
     model, k, optimiser = cell.split(":")

@@ -23,27 +23,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # The method.
   c.algorithm = "fdg"          # bp | ddg | fdg
-  c.num_stages = 4
+  c.num_stages = 4             # K: stages, each on its own device where there are K
   c.beta = 1.0                 # FDG gradient shrinking, in (0, 1]
   c.backward = "stash"         # stash | recompute
   c.split = "uniform"          # uniform | balanced | paper | "3,6,9" (explicit boundaries)
   # The model and data.
-  c.model = "mlp"
-  c.model_kwargs = ml_collections.ConfigDict({"widths": (128, 128, 128, 128)})
-  c.dataset = "digits"
+  c.model = "mlp"              # mlp | cnn | resnet20..resnet1202 | resnet18..resnet101 |
+                               # wrn28_10 | vit | gpt (`fdg_jax.models.names()`)
+  c.model_kwargs = ml_collections.ConfigDict({"widths": (128, 128, 128, 128)})  # the model's
+                               # arguments, replaced whole: '{"widths": (64, 64)}'
+  c.dataset = "digits"         # digits (embedded) | mnist | fashion_mnist | cifar10 | cifar100
+                               # | svhn_cropped | stl10 | imagenet2012 (TFDS) | stdlib_text
   c.data_dir = ""              # TFDS data_dir ("" = TFDS default)
   c.data_workers = 0           # processes decoding/augmenting training batches (ImageNet);
                                # 0: in this process. Batches are the same for any value.
   # Optimisation.
   c.dtype = "float32"          # float32 | bfloat16 (bf16 compute, activations and stash;
                                # float32 master weights, optimizer state and loss)
-  c.batch_size = 32
-  c.num_epochs = 30
+  c.batch_size = 32            # examples per tick (the global batch over replicas)
+  c.num_epochs = 30            # passes over the training split
   c.optimizer = "sgd"          # sgd | adam | basis_rotation | nadam_warmup | any optax or
                                # optax.contrib optimizer by name (adamw, nadam, lion, muon, ...)
-  c.learning_rate = 0.05
+  c.learning_rate = 0.05       # the peak rate of lr_schedule
   c.momentum = 0.5             # sgd's (and any optimizer's with a `momentum` parameter)
-  c.nesterov = False
+  c.nesterov = False           # sgd: Nesterov momentum (others with a `nesterov` parameter)
   c.weight_decay = 1e-4        # sgd: L2 added to the gradient; adam: AdamW; others: their own
   c.b1 = placeholder(float)    # Adam family's b1 (None: the optimizer's default)
   c.b2 = placeholder(float)    # Adam family's b2
@@ -52,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                # e.g. '{"beta": 0.9}' for muon, '{"frequency": 20}'
   c.lr_schedule = "cosine"     # constant | multistep | cosine
   c.lr_milestones = (150, 225, 275)  # epochs, for multistep
-  c.lr_gamma = 0.1
-  c.warmup_epochs = 1.0
+  c.lr_gamma = 0.1             # multistep: the rate's factor at each milestone
+  c.warmup_epochs = 1.0        # linear warm-up from 0, in epochs (then lr_schedule)
   # Staleness remedies (fdg_jax.staleness), each applied per stage with its delay d_k.
   c.staleness = "none"         # none | lr_by_delay | weight_prediction | spike_compensation |
                                # dc | nesterov_delay | error_feedback | discrepancy_correction
@@ -64,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.staleness_horizon = -1.0   # weight_prediction: steps to extrapolate (-1: the delay d_k)
   c.dc_lambda = 0.04           # dc: the compensation strength lambda
   c.dc_adaptive = False        # dc: lambda_t = dc_lambda0 / sqrt(M + eps) (DC-ASGD-a)
-  c.dc_lambda0 = 2.0
+  c.dc_lambda0 = 2.0           # dc adaptive: lambda_t = dc_lambda0 / sqrt(M + eps)
   c.dc_decay = 0.95            # dc adaptive: the decay of M, the mean square gradient
   c.nesterov_gamma = 0.99      # nesterov_delay: the look-ahead momentum gamma
   c.staleness_strength = 1.0   # error_feedback: u + strength * d_k * (u - u_prev)
@@ -73,10 +76,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.telemetry_every_steps = 0  # >0: every N steps, per-stage weight discrepancy and stale-vs-
                                # fresh gradient cosine in metrics.jsonl (0: off)
   # Run.
-  c.seed = 0
-  c.checkpoint_every_steps = 500
-  c.eval_every_epochs = 1
-  c.log_every_steps = 50
+  c.seed = 0                   # parameters, data order and dropout
+  c.checkpoint_every_steps = 500  # ticks between checkpoints (also at the end and on SIGTERM)
+  c.eval_every_epochs = 1      # epochs between evaluations on the test split
+  c.log_every_steps = 50       # ticks between training-loss rows of metrics.jsonl
   c.num_cpu_devices = 4        # on CPU: devices to create so stages can be placed apart
   c.engine = "auto"            # auto | fused (all stages in one program on one device) |
                                # per_stage (a device per stage) | spmd (FDG: one program
@@ -91,10 +94,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.peer_timeout_s = 30        # several processes: a process silent (no heartbeat) this long
                                # is reported lost by the others (one line, exit code 3); a
                                # lost coordinator (process 0) is noticed at once
-  c.eval_batch_size = 512
+  c.eval_batch_size = 512      # examples per evaluation batch
   c.max_steps = -1             # stop after this many ticks (-1: num_epochs)
   c.compilation_cache = "auto"  # JAX's persistent compilation cache: auto (a user-level
                                # directory shared by runs, ~/.cache/fdg_jax/xla or
                                # $FDG_JAX_CACHE_DIR), a directory, or "off"
-  c.progress_bar = True
+  c.progress_bar = True        # a tqdm bar per epoch on stderr
   return c

@@ -105,13 +105,15 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
   """Adam in a rotated basis per weight matrix (bilateral, second-moment statistics).
 
   Per rotated leaf W, viewed as a matrix [m, n] (`matrix_view`), with gradient G and step
-  t = 1, 2, ...:
+  t = 1, 2, ...::
+
     L <- s L + (1 - s) G G^T,  R <- s R + (1 - s) G^T G      (s = shampoo_beta, default b2)
     at t = 1: Q_L, Q_R = the eigenvectors of L, R (by decreasing eigenvalue);
     every `frequency` steps after: one power-iteration step and a QR per side (`_power_qr`);
     m <- b1 m + (1 - b1) G                                    (kept in W's coordinates)
     G~ = Q_L^T G Q_R,  M~ = Q_L^T m Q_R,  v <- b2 v + (1 - b2) G~^2   (v in the rotated ones)
     W <- W - lr wd W - lr sqrt(1 - b2^t) / (1 - b1^t) Q_L (M~ / (sqrt(v) + eps)) Q_R^T.
+
   The statistics include the current gradient, and the first step already uses the basis
   built from it. When a basis changes, m needs nothing (it lives in W's coordinates) and v
   is kept (only permuted with the eigenvalue order). Other leaves get the same Adam without
@@ -246,11 +248,13 @@ def nadam_warmup(learning_rate, b1: float = 0.99, b2: float = 0.999, eps: float 
                  weight_decay: float = 0.01) -> optax.GradientTransformation:
   """PyTorch's NAdam (decoupled weight decay), the optimiser of PipeNAG's public code.
 
-  At step t = 1, 2, ... with psi = momentum_decay:
+  At step t = 1, 2, ... with psi = momentum_decay::
+
     mu_t = b1 (1 - 0.5 * 0.96^(t psi)),  mu_{t+1} likewise,  P_t = prod_{i <= t} mu_i
     m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2,  d = sqrt(v / (1 - b2^t)) + eps
     theta <- theta (1 - lr wd) - lr (1 - mu_t) / (1 - P_t) g / d
                                - lr mu_{t+1} / (1 - P_t mu_{t+1}) m / d
+
   Defaults are PipeNAG's (b1 0.99, weight decay 0.01).
   """
   def mu_at(t):

@@ -329,6 +329,7 @@ def move_tree(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Shar
     shards (`move_shards`), nothing crosses a process boundary;
   - else the shards cross processes through `exchange`, one collective program per pair
     of device sets.
+
   The choice depends on the shardings only, so every process takes the same one; every
   process must call this with the same arrays (those it holds no shards of included).
   """

@@ -1,10 +1,11 @@
-"""Mixed precision for stages: compute in bfloat16, keep float32 master weights.
+"""Mixed precision for stages: compute in bfloat16, keep float32 master weights::
 
     stages = [precision.mixed_precision(s, jnp.bfloat16) for s in stages]
     loss_fn = precision.float32_loss(loss_fn)
 
 A mixed-precision stage casts its floating-point parameters and its input to the compute
 dtype, runs the wrapped stage there, and returns its output in the compute dtype. So:
+
 - the parameters, their gradients (the cast's transpose brings them back to float32) and the
   optimizer state stay float32: the update is applied to float32 master weights;
 - the activations sent between stages, the cotangents sent back, and the `jax.vjp` residuals
@@ -18,6 +19,7 @@ dtype, runs the wrapped stage there, and returns its output in the compute dtype
 - the model state (BatchNorm statistics) keeps its own dtype (float32): its update is computed
   from compute-dtype batch statistics and stored at the state's dtype;
 - the loss is computed in float32 from the last stage's output (`float32_loss`).
+
 Integer inputs (token ids) pass through uncast.
 """
 

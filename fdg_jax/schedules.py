@@ -1,6 +1,6 @@
 """The BP, DDG and FDG schedules: one tick of each, exactly as ALGORITHMS.md fixes it.
 
-Design. The network is K stages (`fdg_jax.Stage`). Each stage k has its own state:
+Design. The network is K stages (`fdg_jax.Stage`). Each stage k has its own state::
 
     params, model_state, opt_state, rng,
     stash:        the ring buffer of delayed-backward entries, D_k slots (D_k = 1 for BP,
@@ -81,7 +81,7 @@ NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
 # The largest training forward (FLOPs, one stage, one tick) for which FDG's fused programs
 # on CPU gate their stages with chained conditionals by default (`Schedule.gate`): the
 # quick-start MLP's stages do 0.5-1.1 MFLOP and gain; larger ticks gain less or lose
-# (benchmarks/gates.py, docs/results.md 3.11).
+# (benchmarks/gates.py, docs/notes.md 3.11).
 COND_GATE_MAX_FLOPS = 3e6
 
 
@@ -102,7 +102,7 @@ def compiler_options_for(platform: str) -> dict:
   writes this tick's; the update reads the parameters the forward then uses). Region
   analysis proves those copies unneeded: the quick-start MLP's FDG K=4 loop body went
   from 40 copies to none, and its time per sample from 1.8-1.9x BP K=1's to 1.4-1.5x; it
-  also updates the stash rings in place without their heads (`ring_heads`; docs/results.md
+  also updates the stash rings in place without their heads (`ring_heads`; docs/notes.md
   3.9). GPUs and TPUs keep XLA's defaults (not measured there).
   """
   if platform == "cpu":
@@ -281,7 +281,7 @@ class Schedule:
     stages' independent kernels over its thread pool, which costs more than the overlap
     gains: the quick-start MLP's FDG K=4 loop takes 1.22-1.25x BP K=1's time per sample
     with them, 1.35-1.47x with masks, on the 2-core reference machine (K=2: 1.13x against
-    1.30x; K=5: 1.36x against 1.71x; docs/results.md 3.11). On larger ticks the overlap
+    1.30x; K=5: 1.36x against 1.71x; docs/notes.md 3.11). On larger ticks the overlap
     pays: a GPT of width 128 at batch 16 x 128 tokens ran 1.25x slower with them. Measured
     mixed, so left on masks: `recompute` (K=4 5% slower, K=5 12% faster) and DDG (slower
     with `stash`, faster with `recompute`). A conditional's branches are nested
@@ -1175,7 +1175,8 @@ class Schedule:
     Needs `Schedule(..., telemetry=True)`, which keeps, per stash entry, the weights the
     forward ran at (D_k copies of stage k's parameters) and, on stage 0, the batch.
     Returns {"weight_discrepancy": [K], "grad_cosine": [K]}, floats or None where stage k
-    applies no stale gradient at the next tick (delay 0, or the pipeline still filling):
+    applies no stale gradient at the next tick (delay 0, or the pipeline still filling)::
+
       weight_discrepancy: ||theta_now - theta_fwd|| / ||theta_now||, theta_fwd the weights
         the batch's forward ran at (after any forward hook, e.g. weight prediction);
       grad_cosine: the cosine between the stale gradient the stage applies (its stash

@@ -1,7 +1,7 @@
 """Stages: the pure functions a network is split into.
 
 A stage k owns parameters theta_k and an optional model state (e.g. BatchNorm running
-statistics). The schedules (BP, DDG, FDG) only ever see the two pure functions of a stage:
+statistics). The schedules (BP, DDG, FDG) only ever see the two pure functions of a stage::
 
     init(rng, x) -> (params, model_state)
     apply(params, model_state, x, *, train, rng=None) -> (y, model_state)
@@ -102,7 +102,7 @@ class Stage:
     - model_state: every other variable (e.g. BatchNorm's `nnx.BatchStat`), in the same
       layout; `{}` if none. A training forward returns the updated one, an eval forward the
       one it was given. RNG streams (`nnx.RngState`) are in neither: their construction-time
-      value is a constant of the stage. Sown `nnx.Intermediate`s are discarded.
+      value is a constant of the stage. Sown `nnx.Intermediate` values are discarded.
     - train: the merged copy is put in `module.train()` / `module.eval()` mode (Dropout's
       `deterministic`, BatchNorm's `use_running_average`, ...).
     - rng: dropout keys come from it. A single module has all its RNG streams reseeded

@@ -78,7 +78,7 @@ FDG's gradient shrinking (`fdg_jax.shrink`) is chained first, before everything:
 beta_k = beta^(K-1-k). lr_by_delay, spike_compensation, nesterov_delay and the optimiser are
 linear in g, so they commute with it; weight_prediction extrapolates the (shrunk) update the
 optimiser applied, i.e. what the stage really does. DC sees the shrunk gradient: its correction
-term scales by beta_k^2 against the gradient's beta_k (with the adaptive lam_t ~ 1/|g| it
+term scales by beta_k^2 against the gradient's beta_k (with the adaptive lam_t ~ 1/abs(g) it
 scales by beta_k like the gradient, the adaptive form is scale-free there).
 
 Combining hooks: `chain` calls the forwards in the chain's order, so a component that records the

@@ -6,7 +6,7 @@
   processes     a pipeline across two processes: message and tick cost (`processes`)
   nested        backward convolutions at top level vs in a loop or switch (`nested`)
 
-Results: JSON next to the printed tables (--out), written up in docs/results.md.
+Results: JSON next to the printed tables (--out), written up in docs/notes.md.
 """
 
 from fdg_jax.bench.schedules import (ALGORITHMS, POLICIES, PRESETS, TINY, build_model,

@@ -2,7 +2,7 @@
 
 (`python -m fdg_jax.bench concurrency ...` and `... data ...` are the other two benchmarks.)
 
-    python -m fdg_jax.bench all --out docs/bench_cpu.json        # small sizes (CPU default)
+    python -m fdg_jax.bench all --out docs/results/bench_cpu.json        # small sizes (CPU default)
     python -m fdg_jax.bench throughput --model resnet56 --batch_size 128 --ticks 50   # GPUs
     python -m fdg_jax.bench memory --presets resnet20 mlp_digits
 
@@ -33,7 +33,7 @@ tables give the median and the [min, max] spread. The input batch is placed on s
 device once, so host-to-device copies are not timed.
 
 On CPU, `--num_cpu_devices` (default 4) forced XLA:CPU devices share the machine's cores, so
-timings of several "devices" measure contention, not concurrency (see docs/results.md).
+timings of several "devices" measure contention, not concurrency (see docs/notes.md).
 """
 
 from __future__ import annotations
