@@ -58,7 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lr_gamma = 0.1             # multistep: the rate's factor at each milestone
   c.warmup_epochs = 1.0        # linear warm-up from 0, in epochs (then lr_schedule)
   # Staleness remedies (fdg_jax.staleness), each applied per stage with its delay d_k.
-  c.staleness = "none"         # none | lr_by_delay | weight_prediction | spike_compensation |
+  c.staleness = "none"         # auto (the study's choice for the optimizer and schedule) |
+                               # none | lr_by_delay | weight_prediction | spike_compensation |
                                # dc | nesterov_delay | error_feedback | discrepancy_correction
                                # (several joined by "+")
   c.staleness_ramp_epochs = 7.0  # lr_by_delay: epochs until every stage runs at the base lr

@@ -143,13 +143,15 @@ def _validate_optimizer(config) -> None:
 def _validate_staleness(config) -> None:
   from fdg_jax.staleness import METHODS, parse_methods
   method = config.get("staleness", "none")
+  if method == "auto":  # resolved by trainer.resolve_auto into one of the others
+    return
   if "+" in method:
     try:
       parts = parse_methods(method)
     except ValueError as e:
       _fail(str(e))
   elif method not in METHODS:
-    _fail(f"unknown staleness {method!r}; use --config.staleness={'|'.join(METHODS)} "
+    _fail(f"unknown staleness {method!r}; use --config.staleness=auto|{'|'.join(METHODS)} "
           "(or several joined by '+')")
   else:
     parts = (method,)

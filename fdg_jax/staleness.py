@@ -559,6 +559,49 @@ def stage_optimizer(method: str, base, *, delay: int, learning_rate, momentum: f
   return chain(delay_compensation(d, **hparams), base)
 
 
+# --------------------------------------------------------------------------------------------
+# staleness=auto: the study's recommendation (benchmarks/delay_robust.py, docs/results.md)
+
+SGD_FAMILY = ("sgd",)
+
+
+def recommend(optimizer: str, algorithm: str, *, momentum: float = 0.0,
+              nesterov: bool = False) -> tuple[dict, str]:
+  """What `--config.staleness=auto` sets: (config fields, one line saying so).
+
+  Chosen on held-out data by benchmarks/delay_robust.py (docs/results.md, "Delay-robust
+  optimisation"), per optimiser family and schedule:
+  - SGD with heavy-ball momentum, DDG or FDG: spike compensation with linear weight
+    prediction (Kosson et al. 2021), the best remedy of the 8-block MLP at K = 8 under both
+    schedules (`AUTO_SGD`);
+  - SGD without momentum or with Nesterov's: no remedy (none was studied for it);
+  - the Adam family: `AUTO_ADAM` (the optimiser may change, for BP too, so that BP and the
+    delayed schedules can be compared with one optimiser).
+  Under BP (delay 0) no delay correction is set.
+  """
+  if optimizer in SGD_FAMILY:
+    if algorithm == "bp" or not momentum or nesterov:
+      why = ("BP: no delay to correct" if algorithm == "bp"
+             else "no remedy studied for SGD without heavy-ball momentum")
+      return {"staleness": "none"}, f"staleness=auto: none ({why})"
+    return dict(AUTO_SGD), ("staleness=auto: " + "+".join(AUTO_SGD["staleness"].split("+"))
+                            + " (the study's choice for heavy-ball SGD under DDG and FDG)")
+  fields = dict(AUTO_ADAM.get(algorithm, AUTO_ADAM["fdg"]))
+  if algorithm == "bp":
+    fields["staleness"] = "none"
+  change = fields.get("optimizer")
+  line = "staleness=auto: " + fields["staleness"]
+  if change and change != optimizer:
+    line += f"; optimizer {optimizer} -> {change} (the study's choice for the Adam family)"
+  else:
+    fields.pop("optimizer", None)
+  return fields, line
+
+
+AUTO_SGD = {"staleness": "spike_compensation+weight_prediction"}
+AUTO_ADAM = {"fdg": {"staleness": "none"}, "ddg": {"staleness": "none"}}
+
+
 def parse_methods(method: str) -> tuple[str, ...]:
   """The methods of a combination "a+b+..." (ValueError: unknown, repeated or clashing)."""
   parts = tuple(m.strip() for m in method.split("+"))

@@ -156,6 +156,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
 
   Raises ConfigError or DatasetNotFoundError (one line) before any training work.
   """
+  config = resolve_auto(config)
   validate_fields(config)
   setup_cpu_devices(config.num_cpu_devices)
   os.makedirs(workdir, exist_ok=True)
@@ -189,6 +190,21 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              test_iter=test_iter, batch_keys=keys, steps_per_epoch=steps_per_epoch,
              total_steps=total_steps, example=example, params=params,
              model_states=model_states)
+
+
+def resolve_auto(config):
+  """`config` with `staleness="auto"` replaced by the study's recommendation for its
+  optimiser and schedule (`staleness.recommend`), said in one line; else `config` itself."""
+  if config.get("staleness", "none") != "auto":
+    return config
+  fields, line = staleness.recommend(config.optimizer, config.algorithm,
+                                     momentum=config.momentum, nesterov=config.nesterov)
+  config = config.copy_and_resolve_references()
+  for key, value in fields.items():
+    config[key] = value
+  if jax.process_index() == 0:
+    _log(line)
+  return config
 
 
 def _data(config, feeding: dict):
