@@ -1,0 +1,179 @@
+"""CPU time per batch: fdg_jax against PyTorch, side by side (ResNet-20, CIFAR shapes).
+
+    python benchmarks/torch_cpu.py                     # ~5 min on 2 cores
+    python benchmarks/torch_cpu.py --xla_flags "--xla_cpu_use_onednn=true" --repeats 5
+
+PyTorch is not a dependency of fdg_jax: without it installed this prints how to install it
+(`pip install torch`, a CPU build is enough) and times fdg_jax alone.
+
+The workload: ResNet-20 (option-A shortcuts, as `fdg_jax.models.create("resnet20")`), batch
+--batch_size of 32x32x3 images, SGD lr 0.1, momentum 0.9, weight decay 5e-4, cross-entropy.
+- torch BP: the same network written here in torch.nn (NCHW), one training step per batch,
+  torch's default threads;
+- fdg_jax BP K=1 and FDG K=4 (balanced split): the trainer's path, the fused engine through
+  `run` on one CPU device, --ticks_per_call ticks per call.
+Each measurement is a fresh process (so they do not share threads or caches); the repeats
+alternate between the contenders. Prints seconds per batch, median [min, max], and the ratio
+of each fdg_jax figure to torch BP's; writes --out (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+# ------------------------------------------------------------------------------ contenders
+def torch_bp(args) -> float:
+  import torch
+  import torch.nn as nn
+  import torch.nn.functional as F
+
+  class Block(nn.Module):
+    def __init__(self, c_in, c_out, stride):
+      super().__init__()
+      self.c1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+      self.b1 = nn.BatchNorm2d(c_out)
+      self.c2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+      self.b2 = nn.BatchNorm2d(c_out)
+      self.stride, self.pad = stride, c_out - c_in
+
+    def forward(self, x):
+      y = F.relu(self.b1(self.c1(x)))
+      y = self.b2(self.c2(y))
+      s = x
+      if self.stride != 1 or self.pad:  # option A: subsample, zero-pad the channels
+        s = x[:, :, ::self.stride, ::self.stride]
+        lo = self.pad // 2
+        s = F.pad(s, (0, 0, 0, 0, lo, self.pad - lo))
+      return F.relu(y + s)
+
+  layers = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+  c = 16
+  for width, stride in ((16, 1), (32, 2), (64, 2)):
+    for i in range(3):
+      layers.append(Block(c, width, stride if i == 0 else 1))
+      c = width
+  layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
+  model = nn.Sequential(*layers)
+  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+  g = torch.Generator().manual_seed(0)
+  x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
+  y = torch.randint(0, 10, (args.batch_size,), generator=g)
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+  for _ in range(args.warmup):
+    step()
+  t0 = time.perf_counter()
+  for _ in range(args.batches):
+    step()
+  return (time.perf_counter() - t0) / args.batches
+
+
+def fdg_jax_run(args, algorithm: str, k: int) -> float:
+  import jax
+  import numpy as np
+  import optax
+  import fdg_jax
+  from fdg_jax.bench import schedules as B
+  from fdg_jax.optim import make_optimizer
+  model = B.build_model("resnet20", {}, None)
+  _, stages, params, states = B.build_stages(model, k, "balanced", args.batch_size)
+  opt = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=5e-4)
+  sched = fdg_jax.create(algorithm, stages, B.loss_fn, opt)
+  state = sched.init(params, states)
+  T = args.ticks_per_call
+  rng = np.random.default_rng(0)
+  xs = rng.normal(size=(T, args.batch_size, 32, 32, 3)).astype(np.float32)
+  ys = rng.integers(0, 10, size=(T, args.batch_size)).astype(np.int32)
+  calls = max(1, args.batches // T)
+  for _ in range(max(1, args.warmup // T + 1)):
+    state, m = sched.run(state, (xs, ys))
+  jax.block_until_ready((state, m))
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    state, m = sched.run(state, (xs, ys))
+  jax.block_until_ready((state, m))
+  return (time.perf_counter() - t0) / (calls * T)
+
+
+CONTENDERS = {"torch BP": None, "fdg_jax BP K=1": ("bp", 1), "fdg_jax FDG K=4": ("fdg", 4)}
+
+
+def child(args) -> None:
+  if args.contender == "torch BP":
+    seconds = torch_bp(args)
+  else:
+    seconds = fdg_jax_run(args, *CONTENDERS[args.contender])
+  print(json.dumps({"seconds_per_batch": seconds}))
+
+
+def measure(args, contender: str) -> float | None:
+  cmd = [sys.executable, __file__, "--child", contender, "--batch_size", str(args.batch_size),
+         "--batches", str(args.batches), "--warmup", str(args.warmup),
+         "--ticks_per_call", str(args.ticks_per_call)]
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  env["XLA_FLAGS"] = args.xla_flags
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  if out.returncode != 0:
+    print(f"{contender}: failed: {out.stderr.strip().splitlines()[-1] if out.stderr else ''}")
+    return None
+  return json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_batch"]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch_size", type=int, default=128)
+  parser.add_argument("--batches", type=int, default=20)
+  parser.add_argument("--warmup", type=int, default=4)
+  parser.add_argument("--ticks_per_call", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--xla_flags", default=os.environ.get("XLA_FLAGS", ""),
+                      help="XLA_FLAGS for the fdg_jax processes")
+  parser.add_argument("--out", default="")
+  parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    args.contender = args.child
+    child(args)
+    return 0
+  try:
+    import torch  # noqa: F401
+    contenders = list(CONTENDERS)
+  except ImportError:
+    print("PyTorch is not installed: timing fdg_jax alone (pip install torch; a CPU build is "
+          "enough, e.g. pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+    contenders = [c for c in CONTENDERS if c != "torch BP"]
+  times = {c: [] for c in contenders}
+  for r in range(args.repeats):
+    for c in contenders:
+      s = measure(args, c)
+      if s is not None:
+        times[c].append(s)
+      print(f"repeat {r}: {c}: {s if s is None else f'{s:.4f} s/batch'}", flush=True)
+  med = {c: statistics.median(v) for c, v in times.items() if v}
+  print(f"\nResNet-20, batch {args.batch_size}, SGD momentum 0.9; XLA_FLAGS={args.xla_flags!r}\n")
+  print("| contender | s per batch, median [min, max] | × torch BP |")
+  print("|---|---|---|")
+  for c, v in times.items():
+    if not v:
+      continue
+    ratio = f"{med[c] / med['torch BP']:.2f}" if "torch BP" in med else "–"
+    print(f"| {c} | {med[c]:.4f} [{min(v):.4f}, {max(v):.4f}] | {ratio} |")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"args": vars(args), "seconds_per_batch": times}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
