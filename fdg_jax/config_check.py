@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fdg_jax.pipelines import SYNC_PLANS
 from fdg_jax.schedules import ALGORITHMS, BACKWARD_POLICIES
 
 
@@ -40,8 +41,20 @@ def validate_fields(config) -> None:
   missing = [k for k in REQUIRED if k not in config]
   if missing:
     _fail(f"config lacks field(s) {', '.join(missing)}; start from configs/default.py")
-  if config.algorithm not in ALGORITHMS:
-    _fail(f"unknown algorithm {config.algorithm!r}; use --config.algorithm=bp|ddg|fdg")
+  if config.algorithm not in ALGORITHMS + SYNC_PLANS:
+    _fail(f"unknown algorithm {config.algorithm!r}; use "
+          f"--config.algorithm={'|'.join(ALGORITHMS + SYNC_PLANS)}")
+  if config.algorithm in SYNC_PLANS:
+    m = config.get("microbatches", 1)
+    if not isinstance(m, int) or m < 1 or config.batch_size % m:
+      _fail(f"microbatches={m} must be a positive integer that divides batch_size="
+            f"{config.batch_size} ({config.algorithm} splits each batch into equal parts)")
+    if config.num_replicas > 1 or config.get("engine", "auto") == "spmd":
+      _fail(f"{config.algorithm} runs on one device or a device per stage: use "
+            "--config.num_replicas=1 and --config.engine=auto|fused|per_stage")
+    if config.get("staleness", "none") not in ("none", "auto") or config.beta != 1.0:
+      _fail(f"{config.algorithm} has no delay: use --config.staleness=none and "
+            "--config.beta=1.0")
   if config.backward not in BACKWARD_POLICIES:
     _fail(f"unknown backward {config.backward!r}; use --config.backward=stash|recompute")
   if not isinstance(config.beta, (int, float)) or not 0.0 < config.beta <= 1.0:

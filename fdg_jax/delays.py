@@ -6,23 +6,26 @@ before anything is allocated).
 
 from __future__ import annotations
 
+import functools
+
 
 def delay(algorithm: str, stage: int, num_stages: int) -> int:
-  """Ticks between stage `stage` forwarding a batch and applying that batch's gradient."""
-  d = num_stages - 1 - stage
-  return {"bp": 0, "ddg": d, "fdg": 2 * d}[algorithm]
+  """Ticks between stage `stage` forwarding a batch and applying that batch's gradient
+  (BP 0, DDG K-1-k, FDG 2(K-1-k)), as the algorithm's plan implies (`fdg_jax.plans`)."""
+  return _plan(algorithm, num_stages).delays[stage]
 
 
 def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
-  """Slots in stage `stage`'s stash (the last stage keeps none: its loss is immediate)."""
-  if stage == num_stages - 1:
-    return 0
-  if algorithm == "ddg":
-    # Between ticks a DDG stage holds K-1-k entries; within a tick its forward of b_t is
-    # stashed before the backward frees the oldest slot (separate calls, so the forward's
-    # activation is not held back by the backward): one more slot.
-    return delay(algorithm, stage, num_stages) + 1
-  return 1 if algorithm == "bp" else delay(algorithm, stage, num_stages)
+  """Slots in stage `stage`'s stash: the most entries the plan has it hold at once (BP 1,
+  DDG K-k: its forward of b_t is stashed before its backward frees the oldest slot, FDG
+  2(K-1-k); the last stage keeps none: its loss is immediate)."""
+  return _plan(algorithm, num_stages).ring_sizes[stage]
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(algorithm: str, num_stages: int):
+  from fdg_jax import plans
+  return plans.plan(algorithm, num_stages)
 
 
 def ring_heads_default(platform: str) -> bool:

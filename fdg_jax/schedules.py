@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fdg_jax import plans as plans_lib
 from fdg_jax.delays import delay, ring_heads_default, ring_size
 from fdg_jax.packing import Layout, RingView
 from fdg_jax.placement import Placement
@@ -167,13 +168,13 @@ class Schedule:
   given, so always continue from the state they return.
   """
 
-  def __init__(self, algorithm: str, stages: Sequence[Stage], loss_fn: Callable,
+  def __init__(self, algorithm, stages: Sequence[Stage], loss_fn: Callable,
                optimizer, *, beta: float = 1.0, backward: str = "stash",
                devices=None, mesh=None, metrics_fn: Callable | None = None,
                engine: str = "auto", scan: bool | None = None, telemetry: bool = False,
                compiler_options: dict | None = None, ring_heads: bool | None = None,
                gate: str | None = None):
-    if algorithm not in ALGORITHMS:
+    if isinstance(algorithm, str) and algorithm not in ALGORITHMS:
       raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if backward not in BACKWARD_POLICIES:
       raise ValueError(f"unknown backward policy {backward!r}; choose one of {BACKWARD_POLICIES}")
@@ -189,9 +190,16 @@ class Schedule:
       raise TypeError("stages must be fdg_jax.Stage objects (see Stage.from_fn / from_linen)")
     if not 0.0 < beta <= 1.0:
       raise ValueError(f"beta must lie in (0, 1], got {beta}")
-    if algorithm != "fdg" and beta != 1.0:
-      raise ValueError(f"beta (gradient shrinking) is an FDG option; {algorithm} takes none")
-    self.algorithm = algorithm
+    # The plan: the calls of a tick (`fdg_jax.plans`), by name or given.
+    self.plan = (plans_lib.plan(algorithm, len(stages)) if isinstance(algorithm, str)
+                 else algorithm)
+    if not isinstance(self.plan, plans_lib.Plan):
+      raise TypeError(f"algorithm must be a name of {ALGORITHMS} or a plans.Plan, got "
+                      f"{type(algorithm).__name__}")
+    if self.plan.num_stages != len(stages):
+      raise ValueError(f"the plan {self.plan.name!r} is for {self.plan.num_stages} stages, "
+                       f"got {len(stages)}")
+    self.algorithm = self.plan.name
     self.stages = stages
     self.num_stages = len(stages)
     self.loss_fn = loss_fn
@@ -244,21 +252,18 @@ class Schedule:
   # ------------------------------------------------------------------ properties
   @property
   def delays(self) -> tuple[int, ...]:
-    """d_k for every stage: the staleness of the gradient stage k applies."""
-    return tuple(delay(self.algorithm, k, self.num_stages) for k in range(self.num_stages))
+    """d_k for every stage: the staleness of the gradient stage k applies (from the plan)."""
+    return self.plan.delays
 
   @property
   def ring_sizes(self) -> tuple[int, ...]:
-    """D_k for every stage: the number of stash slots it carries."""
-    return tuple(ring_size(self.algorithm, k, self.num_stages) for k in range(self.num_stages))
+    """D_k for every stage: the number of stash slots it carries (from the plan)."""
+    return self.plan.ring_sizes
 
   @property
   def fill_ticks(self) -> int:
     """The first tick from which every stage forwards and backwards (the pipeline is full)."""
-    K = self.num_stages
-    if self.algorithm == "fdg":
-      return 2 * (K - 1)
-    return self.delays[0] if self.algorithm == "ddg" and K > 1 else 0
+    return self.plan.fill_ticks
 
   @property
   def scan(self) -> bool:
@@ -291,7 +296,7 @@ class Schedule:
     """
     if self._gate is not None:
       return self._gate
-    small = (self.platform == "cpu" and self.algorithm == "fdg" and self.backward == "stash"
+    small = (self.platform == "cpu" and self.plan.decoupled and self.backward == "stash"
              and not self._has_conv and max(self._forward_flops()) <= COND_GATE_MAX_FLOPS)
     return "cond" if small else "mask"
 
@@ -342,7 +347,7 @@ class Schedule:
       opts = list(optimizer)
       if len(opts) != K:
         raise ValueError(f"got {len(opts)} optimizers for {K} stages")
-    if self.algorithm == "fdg" and self.beta != 1.0:
+    if self.beta != 1.0:
       opts = [staleness_lib.chain(shrink(self.beta, k, K), o) for k, o in enumerate(opts)]
     return [staleness_lib.with_forward(o) for o in opts]
 
@@ -361,15 +366,7 @@ class Schedule:
     `t` is a host int (Python booleans come back), a traced int (traced booleans), or None
     for a tick past the pipeline fill (always True).
     """
-    K = self.num_stages
-    if t is None or self.algorithm == "bp":
-      return True, True
-    if k == K - 1:
-      active = t >= K - 1 if self.algorithm == "fdg" else True
-      return active, active
-    if self.algorithm == "fdg":  # stage k forwards batch t-k; applies it d_k ticks later
-      return t >= k, t >= k + self.delays[k]
-    return True, t >= self.delays[k]  # ddg
+    return self.plan.flags(k, t)
 
   # ------------------------------------------------------------------ pure pieces
   def _vjp(self, k, params, model_state, x, rng):
@@ -442,7 +439,7 @@ class Schedule:
     (forward first, with the parameters at the start of the tick). Traced flags mask the
     updates (a masked `updated` is NO_UPDATE).
     """
-    D = ring_size(self.algorithm, k, self.num_stages)
+    D = self.ring_sizes[k]
     s = dict(s)
     params_fwd = s["params"]
     act_out = cot_out = updated = None
@@ -458,8 +455,7 @@ class Schedule:
       s.update(params=params, opt_state=opt_state, pops=s["pops"] + _count(do_bwd))
       if k > 0:
         cot_out = grad_x
-      if self.algorithm == "fdg":
-        params_fwd = params
+      params_fwd = params  # a forward after the update in one call runs at the new weights
     if do_fwd is not False:
       if k == 0:
         (x, y), batch = act, s["pushes"]
@@ -492,7 +488,7 @@ class Schedule:
     tick reads, taken after the write, so that every read of the ring follows its update.
     The head's price: one more slot of memory per stage, and one slot copied per tick.
     """
-    D = ring_size(self.algorithm, k, self.num_stages)
+    D = self.ring_sizes[k]
     ring = s["stash"]["ring"]
     head = self._has_head(k)
     # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both
@@ -513,7 +509,7 @@ class Schedule:
 
   def _has_head(self, k: int) -> bool:
     """Whether stage k's ring keeps its head (`ring_heads`, rings of two slots or more)."""
-    return self.ring_heads and ring_size(self.algorithm, k, self.num_stages) > 1
+    return self.ring_heads and self.ring_sizes[k] > 1
 
   def _ring_load(self, k, ring, slot):
     """The entry at `slot` of stage k's ring (flat buffers, or leaves)."""
@@ -561,7 +557,7 @@ class Schedule:
     return s, grad_x, metrics
 
   def _tick(self, stages, inbox, batch, t, ops):
-    """One tick of the schedule, in ALGORITHMS.md's order, run by the engine `ops`.
+    """One tick: the plan's calls (`fdg_jax.plans`), in its order, run by the engine `ops`.
 
     Args:
       stages: the K stage states as `ops` takes them (packed per stage, or unpacked).
@@ -572,83 +568,64 @@ class Schedule:
     Returns:
       (stages, inbox for tick t+1, updated (K entries: batch index, masked, or None),
        metrics of the batch that reached the loss ({} if none), whether one did).
+
+    A message the plan reads in the same tick moves to its receiver at once (a call of
+    the per-stage engine then leaves as soon as its input is there); the messages read at
+    tick t+1 move together at the end of the tick, in one batched copy.
     """
-    K = self.num_stages
+    K, plan = self.num_stages, self.plan
     stages = list(stages)
     new_inbox = [dict(box) for box in inbox]  # unsent messages keep their placeholders
     updated: list = [None] * K
     metrics: dict = {}
     active = self._flags(K - 1, t)[0]
     ops.begin_tick()
+    now = {"act": {}, "cot": {}}  # messages sent earlier in this tick, by receiver
+    outgoing = []  # (receiving stage, "act" | "cot", flag, message), read at tick t+1
 
-    def last(act):
-      nonlocal metrics
-      stages[K - 1], cot, metrics = ops.last(active)(stages[K - 1], act)
-      updated[K - 1] = _select(active, metrics["batch"], NO_UPDATE)
-      return cot
+    def send(k, kind, flag, message):
+      if plan.reads_now(k, kind):
+        now[kind][k] = ops.move(k, message)
+      else:
+        outgoing.append((k, kind, flag, message))
 
-    if self.algorithm == "fdg":
-      # Every stage reads only messages of tick t-1, and everything it sends is read at
-      # t+1: the engine may move them all at once at the end of the tick.
-      # The engine may issue the stages in any order; `_GatedOps` issues them top down, so
-      # that each activation of tick t-1 is read before the one replacing it is made.
-      outgoing = []  # (receiving stage, "act" | "cot", flag, message)
-      for k in (reversed(range(K)) if ops.old_messages_first else range(K)):
-        if k == K - 1:
-          if active is not False:
-            cot = last(batch if K == 1 else inbox[K - 1]["act"])
-            if cot is not None:
-              outgoing.append((K - 2, "cot", active, cot))
+    def source(k, kind, where):
+      if where == "batch":
+        return batch
+      return now[kind][k] if where == "now" else inbox[k][kind]
+
+    # The engine may issue the calls that read only messages of tick t-1 in any order among
+    # themselves; `_GatedOps` reverses them, so that each message of tick t-1 is read before
+    # the one replacing it is made.
+    for i in plan.issue_order(ops.old_messages_first):
+      call = plan.calls[i]
+      k = call.stage
+      if k == K - 1:
+        if active is False:
           continue
-        do_fwd, do_bwd = self._flags(k, t)
-        if do_fwd is False and do_bwd is False:
-          continue
-        act = batch if k == 0 else inbox[k]["act"]
-        stages[k], act_out, cot_out, updated[k] = ops.stage(k, do_fwd, do_bwd)(
-            stages[k], act if do_fwd is not False else None,
-            inbox[k]["cot"] if do_bwd is not False else None)
-        if act_out is not None:
-          outgoing.append((k + 1, "act", do_fwd, act_out))
-        if cot_out is not None:
-          outgoing.append((k - 1, "cot", do_bwd, cot_out))
+        stages[k], cot, metrics = ops.last(active)(stages[k], source(k, "act", call.act))
+        updated[k] = _select(active, metrics["batch"], NO_UPDATE)
+        if cot is not None:
+          send(k - 1, "cot", active, cot)
+        continue
+      fwd, bwd = self._flags(k, t)
+      do_fwd = fwd if call.forward else False
+      do_bwd = bwd if call.backward else False
+      if do_fwd is False and do_bwd is False:
+        continue
+      stages[k], act_out, cot_out, upd = ops.stage(k, do_fwd, do_bwd)(
+          stages[k], source(k, "act", call.act) if do_fwd is not False else None,
+          source(k, "cot", call.cot) if do_bwd is not False else None)
+      if do_bwd is not False:
+        updated[k] = upd
+      if act_out is not None:
+        send(k + 1, "act", do_fwd, act_out)
+      if cot_out is not None:
+        send(k - 1, "cot", do_bwd, cot_out)
+    if outgoing:
       moved = ops.move_all([(k, m) for k, _, _, m in outgoing])
       for (k, kind, flag, _), m in zip(outgoing, moved):
         new_inbox[k][kind] = _select(flag, m, inbox[k][kind])
-
-    elif self.algorithm == "ddg":
-      # The forward of b_t runs through every stage within the tick, each stage's forward its
-      # own piece: its activation can leave as soon as it is computed, while the stage's
-      # delayed backward (dispatched after all forwards) runs concurrently with the forwards
-      # of the stages above it.
-      act = batch
-      for k in range(K - 1):
-        stages[k], act_out, _, _ = ops.stage(k, True, False)(stages[k], act, None)
-        act = ops.move(k + 1, act_out)
-      cot = last(act)
-      if cot is not None:
-        new_inbox[K - 2]["cot"] = ops.move(K - 2, cot)
-      # Any order (each reads a cotangent of tick t-1); `_GatedOps` issues them bottom up,
-      # so that each is read before the one replacing it is made.
-      for k in (range(K - 1) if ops.old_messages_first else reversed(range(K - 1))):
-        do_bwd = self._flags(k, t)[1]  # stage k+1 sent a cotangent at tick t-1
-        if do_bwd is False:
-          continue
-        stages[k], _, cot_out, updated[k] = ops.stage(k, False, do_bwd)(
-            stages[k], None, inbox[k]["cot"])
-        if cot_out is not None:
-          new_inbox[k - 1]["cot"] = _select(do_bwd, ops.move(k - 1, cot_out),
-                                            inbox[k - 1]["cot"])
-
-    else:  # bp: the whole forward and backward of b_t within the tick
-      act = batch
-      for k in range(K - 1):
-        stages[k], act_out, _, _ = ops.stage(k, True, False)(stages[k], act, None)
-        act = ops.move(k + 1, act_out)
-      cot = last(act)
-      for k in reversed(range(K - 1)):
-        stages[k], _, cot, updated[k] = ops.stage(k, False, True)(
-            stages[k], None, ops.move(k, cot))
-
     return stages, new_inbox, updated, metrics, active
 
   # ------------------------------------------------------------------ packing
@@ -820,7 +797,7 @@ class Schedule:
           "pops": jnp.zeros((), jnp.int32),
       }
       if k < K - 1:
-        s["stash_batch"] = jnp.zeros((ring_size(self.algorithm, k, K),), jnp.int32)
+        s["stash_batch"] = jnp.zeros((self.ring_sizes[k],), jnp.int32)
       self._core_layouts[k] = layout = Layout.of(s)
       rep = self.placement.state_shardings[k]
       pack = jax.jit(layout.pack, out_shardings={name: rep for name in layout.names})
@@ -950,7 +927,7 @@ class Schedule:
     self._prepare(batch)
     stages, inbox = list(state["stages"]), [dict() for _ in range(K)]
     for k in range(K - 1):
-      D = ring_size(self.algorithm, k, K)
+      D = self.ring_sizes[k]
       lay = self._ring_layouts[k]
       if lay is not None:  # flat: D slots one after another per dtype, and the head
         specs = {"ring": {n: jax.ShapeDtypeStruct((D * m,), n) for n, m in lay.sizes.items()},
@@ -965,9 +942,9 @@ class Schedule:
       # Placeholders for stage k's incoming cotangent and stage k+1's incoming activation,
       # where (and shaped as) the real messages will arrive.
       act_spec = self._act_specs[k]
-      if self.algorithm in ("ddg", "fdg"):
+      if self.plan.reads_inbox(k, "cot"):
         inbox[k]["cot"] = _zeros(act_spec[0], P.message_shardings(k, act_spec[0]))
-      if self.algorithm == "fdg":
+      if self.plan.reads_inbox(k + 1, "act"):
         inbox[k + 1]["act"] = _zeros(act_spec, P.message_shardings(k + 1, act_spec))
     state = {**state, "stages": stages, "inbox": inbox}
     return self._spmd.flatten(state) if self.engine == "spmd" else state
@@ -1215,7 +1192,7 @@ class Schedule:
     key = (kind, k)
     if key in self._telemetry_fns:
       return self._telemetry_fns[key]
-    D = ring_size(self.algorithm, k, self.num_stages)
+    D = self.ring_sizes[k]
     n = self._core_entry_sizes[k]
 
     def applied(packed, cot):
@@ -1606,6 +1583,15 @@ def fdg(stages, loss_fn, optimizer, *, beta=1.0, backward="stash", **kwargs) -> 
   return Schedule("fdg", stages, loss_fn, optimizer, beta=beta, backward=backward, **kwargs)
 
 
-def create(algorithm: str, stages, loss_fn, optimizer, **kwargs) -> Schedule:
-  """`bp`, `ddg` or `fdg` by name (`beta` is accepted only by fdg)."""
+def create(algorithm: str, stages, loss_fn, optimizer, **kwargs):
+  """`bp`, `ddg`, `fdg`, `gpipe` or `1f1b` by name (`beta` is accepted only by fdg;
+  `microbatches=M` by gpipe and 1f1b, which return a `pipelines.SyncPipeline`)."""
+  from fdg_jax import pipelines
+  if algorithm in pipelines.SYNC_PLANS:
+    return pipelines.SyncPipeline(algorithm, stages, loss_fn, optimizer, **kwargs)
+  if "microbatches" in kwargs:
+    raise ValueError(f"microbatches is an option of gpipe and 1f1b; {algorithm} splits no "
+                     "batch")
+  if algorithm != "fdg" and kwargs.get("beta", 1.0) != 1.0:
+    raise ValueError(f"beta (gradient shrinking) is an FDG option; {algorithm} takes none")
   return Schedule(algorithm, stages, loss_fn, optimizer, **kwargs)

@@ -98,9 +98,10 @@ class Engine:
   def check(schedule) -> None:
     """Raises a one-line ValueError where the SPMD engine cannot run `schedule`."""
     K, P_ = schedule.num_stages, schedule.placement
-    if schedule.algorithm != "fdg":
-      raise ValueError(f"engine='spmd' runs FDG only ({schedule.algorithm} chains its stages "
-                       "within a tick); use engine='per_stage'")
+    if not schedule.plan.decoupled:
+      raise ValueError(f"engine='spmd' runs plans whose calls read only the previous tick's "
+                       f"messages (FDG); {schedule.algorithm} chains its stages within a tick: "
+                       "use engine='per_stage'")
     if K < 2:
       raise ValueError("engine='spmd' needs at least 2 stages, one per device")
     devices = [d for s in P_.state_shardings for d in _column(s)]

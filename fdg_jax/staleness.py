@@ -577,17 +577,18 @@ def recommend(optimizer: str, algorithm: str, *, momentum: float = 0.0,
   - SGD without momentum or with Nesterov's: no remedy (none was studied for it);
   - the Adam family: `AUTO_ADAM` (the optimiser may change, for BP too, so that BP and the
     delayed schedules can be compared with one optimiser).
-  Under BP (delay 0) no delay correction is set.
+  Under BP, GPipe and 1F1B (delay 0) no delay correction is set.
   """
+  no_delay = algorithm in ("bp", "gpipe", "1f1b")
   if optimizer in SGD_FAMILY:
-    if algorithm == "bp" or not momentum or nesterov:
-      why = ("BP: no delay to correct" if algorithm == "bp"
+    if no_delay or not momentum or nesterov:
+      why = (f"{algorithm}: no delay to correct" if no_delay
              else "no remedy studied for SGD without heavy-ball momentum")
       return {"staleness": "none"}, f"staleness=auto: none ({why})"
     return dict(AUTO_SGD), ("staleness=auto: " + "+".join(AUTO_SGD["staleness"].split("+"))
                             + " (the study's choice for heavy-ball SGD under DDG and FDG)")
   fields = dict(AUTO_ADAM.get(algorithm, AUTO_ADAM["fdg"]))
-  if algorithm == "bp":
+  if no_delay:
     fields["staleness"] = "none"
   change = fields.get("optimizer")
   line = "staleness=auto: " + fields["staleness"]

@@ -35,6 +35,7 @@ from fdg_jax.runtime import arrays as runtime_arrays
 from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
                                   optimizer_hparams, validate, validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
+from fdg_jax.pipelines import SYNC_PLANS
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
@@ -274,13 +275,17 @@ def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None =
 
   kwargs = dict(placement or choose_placement(config.num_stages, config.num_replicas,
                                               config.get("engine", "auto")))
-  if config.algorithm == "fdg":
-    kwargs["beta"] = config.beta
-  if config.algorithm != "bp":
-    kwargs["backward"] = config.backward
-  kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
-  if config.get("gate", "auto") != "auto":
-    kwargs["gate"] = config.gate
+  if config.algorithm in SYNC_PLANS:  # GPipe, 1F1B: micro-batches, no delay
+    kwargs = {k: v for k, v in kwargs.items() if k in ("devices", "engine")}
+    kwargs["microbatches"] = config.get("microbatches", 1)
+  else:
+    if config.algorithm == "fdg":
+      kwargs["beta"] = config.beta
+    if config.algorithm != "bp":
+      kwargs["backward"] = config.backward
+    kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
+    if config.get("gate", "auto") != "auto":
+      kwargs["gate"] = config.gate
   loss = loss_fn if config.get("dtype", "float32") == "float32" else precision.float32_loss(
       loss_fn)
   return fdg_jax.create(config.algorithm, stages, loss, stage_optimizer, **kwargs), lr
@@ -459,7 +464,7 @@ def _nonfinite_part(schedule, state) -> str | None:
   k = _nonfinite_stage(schedule, state)
   if k is not None:
     return f"stage {k}'s parameters"
-  boxes = [box for box in (state["inbox"] or []) if jax.tree.leaves(box)]
+  boxes = [box for box in (state.get("inbox") or []) if jax.tree.leaves(box)]
   flags = _finite_flags(list(state["stages"]) + boxes)
   K = len(state["stages"])
   k = next((k for k, ok in enumerate(flags[:K]) if not ok), None)

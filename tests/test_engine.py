@@ -338,7 +338,7 @@ def test_bad_engine_arguments():
     fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="pipelined")
   for make, match in (
       (lambda: fdg_jax.ddg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2],
-                           engine="spmd"), "FDG only"),
+                           engine="spmd"), "read only the previous tick.s messages"),
       (lambda: fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine="spmd"), "distinct"),
       (lambda: fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), devices=jax.devices()[:2],
                            engine="spmd", telemetry=True), "telemetry")):
