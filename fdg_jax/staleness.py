@@ -571,12 +571,14 @@ def recommend(optimizer: str, algorithm: str, *, momentum: float = 0.0,
 
   Chosen on held-out data by benchmarks/delay_robust.py (docs/results.md, "Delay-robust
   optimisation"), per optimiser family and schedule:
+
   - SGD with heavy-ball momentum, DDG or FDG: spike compensation with linear weight
     prediction (Kosson et al. 2021), the best remedy of the 8-block MLP at K = 8 under both
     schedules (`AUTO_SGD`);
   - SGD without momentum or with Nesterov's: no remedy (none was studied for it);
   - the Adam family: `AUTO_ADAM` (the optimiser may change, for BP too, so that BP and the
     delayed schedules can be compared with one optimiser).
+
   Under BP, GPipe and 1F1B (delay 0) no delay correction is set.
   """
   no_delay = algorithm in ("bp", "gpipe", "1f1b")
