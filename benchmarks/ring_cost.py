@@ -5,7 +5,7 @@
 Times, side by side and interleaved (`fdg_jax.bench.schedules.time_interleaved`), the
 quick-start MLP (4x128, digits' shapes) as BP K=1, BP K=4 and FDG K=4 (`stash`, T = 32 ticks
 per call, the platform's default gate: on CPU chained conditionals), FDG K=4 gated by masks
-and by conditionals left unchained (`Schedule.gate`, `schedules._GatedOps`), and FDG K=4
+and by conditionals left unchained (`Schedule.gate`, `engines.GatedOps`), and FDG K=4
 compiled with parts of the ring's work taken out:
 
   no ring write        the entry a forward stashes is not written to the ring at all
@@ -97,7 +97,7 @@ def _constants_stored(self, k, a_spec):
 def _static_read(self, k, ring, slot):
   import jax.numpy as jnp
   # slot 0 (slot >= 0), still computed from the slot: with chained conditionals (the CPU
-  # default) the read keeps its place in the chain (`schedules._GatedOps`)
+  # default) the read keeps its place in the chain (`engines.GatedOps`)
   return ORIGINAL["_ring_load"](self, k, ring, jnp.minimum(slot, 0))
 
 
@@ -108,7 +108,7 @@ def _unchained(self, value):
 ORIGINAL: dict = {}
 GATES = {
     "FDG K=4, masks": ({"gate": "mask"}, {}),
-    "FDG K=4, conditionals unchained": ({"gate": "cond"}, {"_GatedOps._chained": _unchained}),
+    "FDG K=4, conditionals unchained": ({"gate": "cond"}, {"GatedOps._chained": _unchained}),
 }
 VARIANTS = {
     "no ring write": {"_ring_store": _no_write},
@@ -124,7 +124,7 @@ def loop_kernels(entry) -> "collections.Counter":
   """Kernels per tick of a prepared entry's compiled `run` loop (traced again here, so call
   it while the entry's variant is patched in)."""
   from fdg_jax.bench import hlo
-  from fdg_jax.schedules import _without_heads
+  from fdg_jax.ring import without_heads as _without_heads
   schedule, state = entry["schedule"], entry["state"]
   xs, ys = entry["stacked"]
   T = entry["run_ticks"]
@@ -152,12 +152,12 @@ def stash_written(schedule, params) -> dict:
 
 @contextlib.contextmanager
 def patched(methods: dict):
-  """`Schedule` (or, for a "Class.name" key, that class of `fdg_jax.schedules`) with
+  """`Schedule` (or, for a "Class.name" key, that class of `fdg_jax.engines`) with
   `methods` replaced while a schedule is built and compiled."""
-  from fdg_jax import schedules
-  where = lambda name: ((getattr(schedules, name.split(".")[0]), name.split(".")[1])
+  from fdg_jax import engines, schedules
+  where = lambda name: ((getattr(engines, name.split(".")[0]), name.split(".")[1])
                         if "." in name else (schedules.Schedule, name))
-  for name in ("_ring_store", "_ring_load", "_entry_and_output", "_GatedOps._chained",
+  for name in ("_ring_store", "_ring_load", "_entry_and_output", "GatedOps._chained",
                *methods):
     ORIGINAL.setdefault(name, getattr(*where(name)))
   try:

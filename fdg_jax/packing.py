@@ -126,35 +126,6 @@ class Layout:
     return jax.vmap(self.unpack)(rows)
 
 
-class RingView:
-  """A stage's stash ring as `_stage_work` sees it: the entry this tick reads, already read
-  (`head`), and the entry it writes, recorded for the engine to write after the work.
-
-  XLA updates a buffer in place only where it can order every read of it before the write.
-  A ring read at one slot and written at another, by values that do not depend on that
-  read, is copied whole, twice per call or loop iteration, by XLA's default copy insertion.
-  So no stage's work touches the ring itself: the engine reads the entry before the work
-  and writes the new one after it (`Schedule._stage_with_ring`), where either XLA:CPU's
-  region analysis proves the order or the entry comes from the ring's head, read after the
-  previous tick's write; the SPMD engine slices it before its switch on the stage.
-
-  `head` is the entry's leaves, or with `slot` (a `Layout`) its flat buffers.
-  """
-
-  def __init__(self, head, slot: "Layout | None" = None, written=None):
-    self.head, self.slot, self.written = head, slot, written
-
-  def read(self, index) -> tuple:
-    """The entry of slot `index`, the one this tick reads (read by the engine already)."""
-    del index
-    return tuple(self.slot.unpack(self.head) if self.slot is not None else self.head)
-
-  def write(self, index, entry, flag) -> "RingView":
-    """Records `entry` (its leaves) and `flag` for the engine's write to slot `index`."""
-    del index
-    return RingView(self.head, self.slot, (tuple(jax.tree.leaves(entry)), flag))
-
-
 def pad(buffer, length: int, dtype):
   """`buffer` (or nothing: zeros) zero-padded to `length`."""
   if buffer is None:

@@ -11,6 +11,7 @@ model states. BatchNorm sees each micro-batch alone (its statistics are the micr
 updated M times per tick), so with BatchNorm the result is BP's on micro-batches.
 
 Engines (the same numbers, tested against BP at K = 1):
+
 - fused (every stage on one device): one program per tick, every micro-batch action traced
   in the plan's global order; the vjp residuals stay inside the program;
 - per-stage (a device per stage): each action is a jitted call on its stage's device, issued
@@ -18,12 +19,13 @@ Engines (the same numbers, tested against BP at K = 1):
   (`plans.global_order`), so that with asynchronous dispatch the K devices overlap as the
   schedule intends; an F call returns its vjp residuals, which the stage holds until its B
   call (at most `peak_stash` micro-batches at once: M for GPipe, min(M, K-k) for 1F1B).
+
 SPMD programs and data-parallel meshes are not offered for these plans (refused in one line).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +81,7 @@ class SyncPipeline:
     self.placement = Placement.create(K, devices=devices)
     one = self.placement.single_device is not None
     if engine == "fused" and not one:
-      raise ValueError(f"engine='fused' runs every stage on one device; pass devices=None")
+      raise ValueError("engine='fused' runs every stage on one device; pass devices=None")
     self.engine = ("fused" if one else "per_stage") if engine == "auto" else engine
     if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
       opts = [optimizer] * K

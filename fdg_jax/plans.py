@@ -3,7 +3,7 @@
 A **plan** says, for one tick, which calls each stage makes and in which order, and for each
 call where its inputs come from: the activation sent by the stage below (or the batch) and
 the cotangent sent by the stage above, each sent either earlier in this tick ("now") or at
-the previous tick ("inbox"). A plan is a pure value computed from (K, M) alone; no model.
+the previous tick ("inbox"). A plan is a pure value computed from (K, M) alone; no model::
 
     call = Call(stage, forward, backward, act="now"|"inbox"|"batch", cot="now"|"inbox"|None)
 
@@ -53,7 +53,8 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The calls of one tick, in order, for K stages (`Call`s; see the module docstring)."""
+  """The calls of one tick, in order, for K stages (a tuple of `Call`; see the module
+  docstring)."""
   name: str
   num_stages: int
   calls: tuple

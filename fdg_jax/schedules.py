@@ -40,7 +40,7 @@ never retrace. The fused engine gates a stage's work on traced flags in one of t
 stage's state and messages stay as they were, bit for bit); "cond" runs, under one
 conditional per stage and tick, the stage's work compiled for each flag combination it can
 meet, flags as Python booleans, and chains a tick's conditionals so that XLA runs them one
-after another (see `_GatedOps`).
+after another (see `engines.GatedOps`).
 
 Each stage's parameters, optimizer state, model state and counters are kept packed into a
 few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with its leaves.
@@ -48,7 +48,7 @@ few flat buffers per dtype (`fdg_jax.packing`): a call's host cost grows with it
 after slot (it stays one buffer per leaf under a (data, stage) mesh, where each leaf is split
 along its own batch axis, with telemetry, and for one-slot rings); off CPU the state keeps
 next to it its head, the entry the next tick reads, so that no engine reads the ring before
-writing it within a tick (see `_stage_with_ring`). Messages sent at tick t are read at tick
+writing it within a tick (see `ring.with_ring`). Messages sent at tick t are read at tick
 t+1 (DDG cotangents, FDG activations and cotangents); they are carried in the state's
 `inbox`, preallocated with zeros so the state has one fixed structure from the first tick on
 (and can be checkpointed at any tick).
@@ -65,20 +65,24 @@ import numpy as np
 import optax
 
 from fdg_jax import plans as plans_lib
-from fdg_jax.delays import delay, ring_heads_default, ring_size
-from fdg_jax.packing import Layout, RingView
+from fdg_jax.delays import ring_heads_default
+from fdg_jax import engines
+from fdg_jax import ring as ring_lib
+from fdg_jax.engines import NO_UPDATE
+from fdg_jax.packing import Layout
+from fdg_jax.ring import select as _select
 from fdg_jax.placement import Placement
 from fdg_jax.shrink import shrink
 from fdg_jax import spmd as spmd_lib
 from fdg_jax import staleness as staleness_lib
-from fdg_jax.stages import Residuals, Stage, training_vjp
+from fdg_jax.stages import Residuals, Stage, stage_key as _stage_key, training_vjp
+from fdg_jax.telemetry import Telemetry
 
 PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
 BACKWARD_POLICIES = ("stash", "recompute")
 ENGINES = ("auto", "fused", "per_stage", "spmd")
 GATES = ("mask", "cond")
-NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
 # The largest training forward (FLOPs, one stage, one tick) for which FDG's fused programs
 # on CPU gate their stages with chained conditionals by default (`Schedule.gate`): the
 # quick-start MLP's stages do 0.5-1.1 MFLOP and gain; larger ticks gain less or lose
@@ -122,24 +126,6 @@ def _check_message(k: int, spec) -> None:
           "recompute integer data (positions, masks) inside each stage, or send it as floats")
 
 
-def _select(flag, new, old):
-  """`new` where `flag` else `old`, leaf by leaf; a Python bool selects without any op."""
-  if flag is True:
-    return new
-  if flag is False:
-    return old
-  return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
-
-
-def _stage_key(stage_rng, batch):
-  """The key of a stage's stochastic layers (dropout) for batch `batch`.
-
-  Derived, not carried: a stage whose layers draw nothing lets XLA drop the hash (on CPU a
-  loop per call), and `recompute` rebuilds the forward's key from the stashed batch index.
-  """
-  return jax.random.fold_in(stage_rng, batch)
-
-
 def _count(flag):
   """1 if `flag` else 0, as int32 (static for a Python bool)."""
   return 1 if flag is True else flag.astype(jnp.int32)
@@ -150,7 +136,7 @@ def has_convolution(fn, *args) -> bool:
   return "conv_general_dilated" in str(jax.make_jaxpr(fn)(*args))
 
 
-class Schedule:
+class Schedule(Telemetry):
   """A decoupled-training schedule over K stages. Build with `bp`, `ddg` or `fdg`.
 
   Public methods: `init`, `step` (one tick), `run` (T ticks in one call), `params`,
@@ -244,9 +230,9 @@ class Schedule:
     self._core_entry_sizes: list = [None] * self.num_stages
     self._input_treedefs: list = [None] * self.num_stages
     self._ring_layouts: list = [None] * self.num_stages  # flat rings' slot layouts
-    self._per_stage_ops = _PerStageOps(self)
-    self._fused_ops = _FusedOps(self)
-    self._gated_ops = _GatedOps(self)
+    self._per_stage_ops = engines.PerStageOps(self)
+    self._fused_ops = engines.FusedOps(self)
+    self._gated_ops = engines.GatedOps(self)
     self._data_axis = None  # set while the SPMD engine traces a program over replicas
 
   # ------------------------------------------------------------------ properties
@@ -432,7 +418,7 @@ class Schedule:
   def _stage_work(self, k, s, act, cot, do_fwd, do_bwd):
     """Stage k < K-1 at one tick: optional delayed backward and update, then optional forward.
 
-    `s` is the stage state with its core unpacked and its stash a `packing.RingView`. Returns
+    `s` is the stage state with its core unpacked and its stash a `ring.RingView`. Returns
     (s, activation message (h, y, batch) or None, cotangent for stage k-1 or None, index of
     the batch whose gradient was applied or None). Under FDG the forward uses the
     parameters just updated; BP and DDG call the forward and the backward separately
@@ -475,55 +461,25 @@ class Schedule:
     return s, act_out, cot_out, updated
 
   def _stage_with_ring(self, k, s, act, cot, do_fwd, do_bwd, work=None):
-    """`_stage_work` (or `work`, of the same signature) over a state whose stash is {"ring"}
-    or {"ring", "head"}: the fused and per-stage engines' stage work.
-
-    The work reads the entry at slot pops % D and records the entry it writes (`RingView`);
-    the engine writes it to slot pushes % D after the work. A read that the written entry
-    does not depend on is not ordered before the write, and XLA answers with copies of the
-    ring, twice per tick (XLA:CPU's default copy insertion, for per-leaf and flat rings
-    alike). Two ways out: XLA:CPU's copy insertion with region analysis (the default
-    `compiler_options` on CPU) proves the read done before the write and updates the ring
-    in place; elsewhere the ring keeps its head (`ring_heads`), a copy of the slot the next
-    tick reads, taken after the write, so that every read of the ring follows its update.
-    The head's price: one more slot of memory per stage, and one slot copied per tick.
-    """
-    D = self.ring_sizes[k]
-    ring = s["stash"]["ring"]
-    head = self._has_head(k)
-    # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both
-    # (and where both calls are in one program, XLA forwards the entry written whole).
-    entry = s["stash"]["head"] if head else self._ring_load(k, ring, s["pops"] % D)
-    write_at = s["pushes"] % D
-    s = {**s, "stash": RingView(entry, self._ring_layouts[k])}
+    """`_stage_work` (or `work`, of the same signature) of stage k around its stash ring
+    (`ring.with_ring`): the fused and per-stage engines' stage work."""
     work = self._stage_work if work is None else work
-    s, act_out, cot_out, updated = work(k, s, act, cot, do_fwd, do_bwd)
-    if s["stash"].written is not None:
-      assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
-      entry, flag = s["stash"].written
-      ring = self._ring_store(k, ring, write_at, entry, flag)
-    s["stash"] = {"ring": ring}
-    if head:
-      s["stash"]["head"] = self._ring_load(k, ring, s["pops"] % D)
-    return s, act_out, cot_out, updated
+    return ring_lib.with_ring(functools.partial(work, k), s, act, cot, do_fwd, do_bwd,
+                              size=self.ring_sizes[k], layout=self._ring_layouts[k],
+                              head=self._has_head(k), read=functools.partial(self._ring_load, k),
+                              write=functools.partial(self._ring_store, k))
 
   def _has_head(self, k: int) -> bool:
     """Whether stage k's ring keeps its head (`ring_heads`, rings of two slots or more)."""
     return self.ring_heads and self.ring_sizes[k] > 1
 
   def _ring_load(self, k, ring, slot):
-    """The entry at `slot` of stage k's ring (flat buffers, or leaves)."""
-    lay = self._ring_layouts[k]
-    if lay is None:  # one [D, ...] buffer per leaf
-      return tuple(buf[slot] for buf in ring)
-    return {n: jax.lax.dynamic_slice(ring[n], (slot * m,), (m,)) for n, m in lay.sizes.items()}
+    """The entry at `slot` of stage k's ring (`ring.load`)."""
+    return ring_lib.load(self._ring_layouts[k], ring, slot)
 
   def _ring_store(self, k, ring, slot, entry, flag):
-    """`ring` with `entry` (its leaves) written at `slot` where `flag`."""
-    lay = self._ring_layouts[k]
-    if lay is None:
-      return tuple(buf.at[slot].set(_select(flag, e, buf[slot])) for buf, e in zip(ring, entry))
-    return lay.write(ring, entry, {n: slot * m for n, m in lay.sizes.items()}, where=flag)
+    """Stage k's `ring` with `entry` written at `slot` where `flag` (`ring.store`)."""
+    return ring_lib.store(self._ring_layouts[k], ring, slot, entry, flag)
 
   def _last_work(self, s, act, active):
     """The last stage at one tick: forward, loss, gradient, update.
@@ -564,7 +520,7 @@ class Schedule:
       inbox: the messages sent at tick t-1.
       batch: b_t = (x_t, y_t) on stage 0.
       t: the tick (host int, traced int, or None past the fill); see `_flags`.
-      ops: `_PerStageOps` or `_FusedOps`: how a stage's work is called, how messages move.
+      ops: `engines.PerStageOps`, `engines.FusedOps` or `engines.GatedOps`: how a stage's work is called, how messages move.
     Returns:
       (stages, inbox for tick t+1, updated (K entries: batch index, masked, or None),
        metrics of the batch that reached the loss ({} if none), whether one did).
@@ -595,7 +551,7 @@ class Schedule:
       return now[kind][k] if where == "now" else inbox[k][kind]
 
     # The engine may issue the calls that read only messages of tick t-1 in any order among
-    # themselves; `_GatedOps` reverses them, so that each message of tick t-1 is read before
+    # themselves; `engines.GatedOps` reverses them, so that each message of tick t-1 is read before
     # the one replacing it is made.
     for i in plan.issue_order(ops.old_messages_first):
       call = plan.calls[i]
@@ -661,7 +617,7 @@ class Schedule:
       return self._step_fns[key]
 
     def step(packed, heads, act, cot):
-      s = self._unpack_stage(k, _with_heads([packed], heads)[0])
+      s = self._unpack_stage(k, ring_lib.with_heads([packed], heads)[0])
       s, act_out, cot_out, updated = self._stage_with_ring(k, s, act, cot, do_forward,
                                                            do_backward)
       return self._pack_stage(k, s), act_out, cot_out, updated
@@ -674,7 +630,7 @@ class Schedule:
                      self._act_shardings[k] if do_forward else None,
                      self._cot_shardings[k] if do_backward and k > 0 else None,
                      P.scalar_shardings[k] if do_backward else None)
-    fn = _HeadsApart(self._jit(step, donate_argnums=0, out_shardings=out_shardings),
+    fn = engines.HeadsApart(self._jit(step, donate_argnums=0, out_shardings=out_shardings),
                      one_stage=True)
     self._step_fns[key] = fn
     return fn
@@ -734,7 +690,7 @@ class Schedule:
 
     if num_ticks is None:
       def one(packed, heads, inbox, batch, t):
-        stages = unpack_all(_with_heads(packed, heads))
+        stages = unpack_all(ring_lib.with_heads(packed, heads))
         stages, inbox, updated, metrics, _ = tick(stages, inbox, batch, t)
         return pack_all(stages), inbox, updated, metrics
       jitted = self._jit(one, donate_argnums=(0, 2))
@@ -757,12 +713,12 @@ class Schedule:
           outs = {name: outs[name].at[i].set(row[name]) for name in outs}
           return stages, inbox, outs
 
-        stages = unpack_all(_with_heads(packed, heads))
+        stages = unpack_all(ring_lib.with_heads(packed, heads))
         stages, inbox, outs = jax.lax.fori_loop(0, n, body, (stages, inbox, outs))
         return pack_all(stages), inbox, outs
       jitted = self._jit(many, donate_argnums=(0, 2))
 
-    fn = _HeadsApart(jitted, one_stage=False)
+    fn = engines.HeadsApart(jitted, one_stage=False)
     self._step_fns[key] = fn
     return fn
 
@@ -1138,103 +1094,6 @@ class Schedule:
         x = self.placement.put_batch(k + 1, x)
     return x
 
-  # ------------------------------------------------------------------ telemetry
-  def _telemetry_extras(self, k, params_fwd, x, y) -> tuple:
-    """What telemetry adds to stage k's stash entry: the weights its forward ran at and,
-    on stage 0, the batch itself (every batch awaiting a gradient is in stage 0's ring)."""
-    if not self.telemetry_enabled:
-      return ()
-    return tuple(jax.tree.leaves(params_fwd)) + ((x, y) if k == 0 else ())
-
-  def telemetry(self, state) -> dict:
-    """How stale the gradients are that the stages apply at the next tick.
-
-    Needs `Schedule(..., telemetry=True)`, which keeps, per stash entry, the weights the
-    forward ran at (D_k copies of stage k's parameters) and, on stage 0, the batch.
-    Returns {"weight_discrepancy": [K], "grad_cosine": [K]}, floats or None where stage k
-    applies no stale gradient at the next tick (delay 0, or the pipeline still filling)::
-
-      weight_discrepancy: ||theta_now - theta_fwd|| / ||theta_now||, theta_fwd the weights
-        the batch's forward ran at (after any forward hook, e.g. weight prediction);
-      grad_cosine: the cosine between the stale gradient the stage applies (its stash
-        entry and the cotangent waiting for it) and the fresh gradient of the same batch:
-        backprop through the whole network at the current weights.
-    """
-    if not self.telemetry_enabled:
-      raise ValueError("telemetry needs a schedule built with telemetry=True")
-    if jax.process_count() > 1:
-      raise ValueError("staleness telemetry runs in single-process runs only")
-    K, t = self.num_stages, int(state["tick"])
-    out = {"weight_discrepancy": [None] * K, "grad_cosine": [None] * K}
-    if state["inbox"] is None:
-      return out
-    home = self.placement.state_shardings[0]
-    fresh_inputs = None
-    for k in range(K - 1):
-      if self.delays[k] == 0 or self._flags(k, t)[1] is not True:
-        continue
-      grads, discrepancy, b = self._telemetry_fn("applied", k)(
-          state["stages"][k], state["inbox"][k]["cot"])
-      out["weight_discrepancy"][k] = float(discrepancy)
-      if fresh_inputs is None:
-        cores = [self.stage_state(state, j) for j in range(K)]
-        fresh_inputs = jax.device_put(
-            [(c["params"], c["model_state"], c["rng"]) for c in cores], home)
-      b = np.int32(b)  # the batch index, from stage k's devices to stage 0's
-      x, y, found = self._telemetry_fn("batch", 0)(state["stages"][0], b)
-      if not bool(found):
-        continue
-      out["grad_cosine"][k] = float(self._telemetry_fn("cosine", k)(
-          fresh_inputs, x, y, b, jax.device_put(grads, home)))
-    return out
-
-  def _telemetry_fn(self, kind: str, k: int):
-    key = (kind, k)
-    if key in self._telemetry_fns:
-      return self._telemetry_fns[key]
-    D = self.ring_sizes[k]
-    n = self._core_entry_sizes[k]
-
-    def applied(packed, cot):
-      s = self._unpack_stage(k, packed)
-      slot = s["pops"] % D
-      stash = s["stash"]  # rings per leaf here
-      entry = tuple(stash["head"] if "head" in stash
-                    else self._ring_load(k, stash["ring"], slot))
-      b = s["stash_batch"][slot]
-      grads, _ = self._backward(k, s["params"], s["model_state"], s["opt_state"], entry, cot,
-                                _stage_key(s["rng"], b))
-      leaves, treedef = jax.tree.flatten(s["params"])
-      theta_fwd = entry[n:n + len(leaves)]
-      sq = lambda trees: sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in trees)
-      diff = sq([a - f for a, f in zip(leaves, theta_fwd)])
-      return grads, jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(sq(leaves)), 1e-30), b
-
-    def batch(packed, b):
-      s = self._unpack_stage(0, packed)
-      hit = s["stash_batch"] == b
-      slot = jnp.argmax(hit)
-      ring = s["stash"]["ring"]
-      x, y = ring[-2][slot], ring[-1][slot]
-      return x, y, jnp.any(hit)
-
-    def cosine(inputs, x, y, b, applied_grads):
-      def loss(all_params):
-        h = x
-        for j, (p, (_, ms, rng)) in enumerate(zip(all_params, inputs)):
-          h, _ = self.stages[j].apply(p, ms, h, train=True, rng=_stage_key(rng, b))
-        return self.loss_fn(h, y)
-      fresh = jax.grad(loss)([p for p, _, _ in inputs])[k]
-      f = [a.astype(jnp.float32) for a in jax.tree.leaves(fresh)]
-      g = [a.astype(jnp.float32) for a in jax.tree.leaves(applied_grads)]
-      dot = sum(jnp.sum(a * c) for a, c in zip(f, g))
-      norm = lambda v: jnp.sqrt(sum(jnp.sum(a * a) for a in v))
-      return dot / jnp.maximum(norm(f) * norm(g), 1e-30)
-
-    fn = jax.jit({"applied": applied, "batch": batch, "cosine": cosine}[kind])
-    self._telemetry_fns[key] = fn
-    return fn
-
   def stash_bytes(self, state) -> list[int]:
     """Bytes held by each stage's delay buffer: its stash ring, the ring's head where it keeps
     one (`ring_heads`, `delays.slots_held`), and its batch indices."""
@@ -1247,279 +1106,6 @@ class Schedule:
       ring = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s.get("stash", {})))
       out.append(int(ring + (4 * self.ring_sizes[k] if k < self.num_stages - 1 else 0)))
     return out
-
-
-class _HeadsApart:
-  """A jitted call of the fused or per-stage engine, `(packed, *args)`, that passes the
-  heads of the stash rings apart (see `_without_heads`). `packed`: one stage's state
-  (`one_stage`) or the list of every stage's."""
-
-  def __init__(self, jitted, one_stage: bool):
-    self.jitted, self.one_stage = jitted, one_stage
-
-  def __call__(self, packed, *args):
-    if self.one_stage:
-      (packed,), heads = _without_heads([packed])
-    else:
-      packed, heads = _without_heads(packed)
-    return self.jitted(packed, heads, *args)
-
-  def _cache_size(self) -> int:
-    return self.jitted._cache_size()
-
-
-def _without_heads(stages: list) -> tuple[list, list]:
-  """(stage states without the heads of their stash rings, the heads).
-
-  A call takes the heads as an argument of their own, not donated: it writes the next
-  head while its work still reads this one, and XLA would copy a donated head first.
-  """
-  rest, heads = [], []
-  for s in stages:
-    stash = s.get("stash")
-    if stash is None or "head" not in stash:
-      rest.append(s)
-      heads.append(None)
-    else:
-      rest.append({**s, "stash": {"ring": stash["ring"]}})
-      heads.append(stash["head"])
-  return rest, heads
-
-
-def _with_heads(stages: list, heads: list) -> list:
-  """The inverse of `_without_heads`."""
-  return [s if h is None else {**s, "stash": {"ring": s["stash"]["ring"], "head": h}}
-          for s, h in zip(stages, heads)]
-
-
-class _PerStageOps:
-  """The per-stage engine: each stage's work a jitted call on its devices; explicit moves."""
-
-  old_messages_first = False  # see `_tick`: the order in which stages are issued
-
-  def __init__(self, schedule: Schedule):
-    self.schedule = schedule
-
-  def begin_tick(self):
-    pass
-
-  def stage(self, k, do_fwd, do_bwd):
-    return self.schedule._stage_fn(k, do_fwd, do_bwd)
-
-  def last(self, active):
-    del active  # the host calls the last stage only when it is active
-    return self.schedule._last_fn()
-
-  def move(self, k, tree):
-    return self.schedule.placement.put_batch(k, tree)
-
-  def move_all(self, messages):
-    # One batched device_put: its host cost per call dominates the dispatch of small stages.
-    return self.schedule.placement.put_batches(messages)
-
-
-class _FusedOps:
-  """The fused engine: each stage's work traced into one program; messages stay put.
-
-  Traced flags mask the work's effects (`gate="mask"`)."""
-
-  old_messages_first = False
-
-  def __init__(self, schedule: Schedule):
-    self.schedule = schedule
-
-  def begin_tick(self):
-    pass
-
-  def stage(self, k, do_fwd, do_bwd):
-    return functools.partial(self.schedule._stage_with_ring, k, do_fwd=do_fwd, do_bwd=do_bwd)
-
-  def last(self, active):
-    return functools.partial(self.schedule._last_work, active=active)
-
-  def move(self, k, tree):
-    return tree
-
-  def move_all(self, messages):
-    return [m for _, m in messages]
-
-
-class _GatedOps(_FusedOps):
-  """The fused engine gating by conditionals (`gate="cond"`).
-
-  A stage whose flags are traced runs its work under `lax.switch` over the flag
-  combinations it can meet (`Schedule._reachable_flags`), each branch the work traced with
-  those flags as Python booleans: no masking selects, and no work in a branch that has none.
-  Branches that send no message return zeros in its place (the tick keeps the old message
-  where the flag is off).
-
-  The stages' works are chained: each gated stage's first reads (its counters, the switch
-  index) are made to depend on a token read off what the previous one wrote last (its ring,
-  or its counters), a test that is always true but that XLA cannot fold. XLA:CPU then runs
-  a tick's stages one after another instead of spreading their independent kernels over its
-  thread pool, which on a small machine slows each of them more than it overlaps them. The
-  stages issue in the order that reads each message of tick t-1 before the one replacing it
-  is made (else XLA copies the new one).
-  """
-
-  old_messages_first = True
-
-  def __init__(self, schedule: Schedule):
-    super().__init__(schedule)
-    self._token = None  # always True, read off what the tick's previous gated stage wrote
-
-  def begin_tick(self):
-    self._token = None
-
-  def _chained(self, value):
-    """`value`, computed after the tick's previous gated stage."""
-    if self._token is None:
-      return value
-    return jnp.where(self._token, value, jnp.zeros_like(value))
-
-  def stage(self, k, do_fwd, do_bwd):
-    if isinstance(do_fwd, bool) and isinstance(do_bwd, bool):
-      return super().stage(k, do_fwd, do_bwd)
-
-    def call(s, act, cot):
-      s = {**s, "pops": self._chained(s["pops"])}  # the ring's read follows the chain
-      out = self.schedule._stage_with_ring(k, s, act, cot, do_fwd, do_bwd, work=self._switched)
-      last = jax.tree.leaves(out[0]["stash"]["ring"]) + [out[0]["pushes"]]
-      self._token = functools.reduce(jnp.logical_and, map(_always_true, last))
-      return out
-    return call
-
-  def _switched(self, k, s, act, cot, do_fwd, do_bwd):
-    """`_stage_work` under a switch over stage k's flag combinations. The ring stays outside
-    the conditional (`_stage_with_ring` reads the entry before it and writes the new one
-    after it, masked by the forward's flag): a ring a branch updated would be copied whole
-    into the conditional's result."""
-    schedule, view = self.schedule, s["stash"]
-    base = {name: v for name, v in s.items() if name != "stash"}
-    traced = [not isinstance(f, bool) for f in (do_fwd, do_bwd)]
-    combos = sorted({(f if traced[0] else do_fwd, b if traced[1] else do_bwd)
-                     for f, b in schedule._reachable_flags(k)})
-
-    def branch(f, b):
-      def work(base, head, act, cot):
-        s, act_out, cot_out, updated = schedule._stage_work(
-            k, {**base, "stash": RingView(head, view.slot)}, act if f else None,
-            cot if b else None, f, b)
-        written = s.pop("stash").written
-        return s, act_out, cot_out, updated, None if written is None else written[0]
-      return work
-
-    branches = [branch(f, b) for f, b in combos]
-    args = (base, view.head, act, cot)
-    specs = [jax.eval_shape(fn, *args) for fn in branches]
-    # (state, activation out, cotangent out, batch updated, entry written): what a branch
-    # does not send or write is zeros, a branch that applies no gradient updated NO_UPDATE.
-    fills = {i: next((sp[i] for sp in specs if sp[i] is not None), None) for i in (1, 2, 3, 4)}
-
-    def uniform(fn):
-      def g(*args):
-        out = list(fn(*args))
-        for i, spec in fills.items():
-          if out[i] is None and spec is not None:
-            value = NO_UPDATE if i == 3 else 0
-            out[i] = jax.tree.map(lambda a: jnp.full(a.shape, value, a.dtype), spec)
-        return tuple(out)
-      return g
-
-    if len(branches) == 1:
-      out = uniform(branches[0])(*args)
-    else:
-      index = 0
-      for i, (f, b) in enumerate(combos):
-        match = jnp.logical_and(do_fwd == f if traced[0] else True,
-                                do_bwd == b if traced[1] else True)
-        index = jnp.where(match, i, index)
-      # a message or written entry is used only where its flag is on
-      used = [(True, f, b, True, f) for f, b in combos]
-      out = _switch(self._chained(index), [uniform(fn) for fn in branches], args, used)
-    s, act_out, cot_out, updated, entry = out
-    s["stash"] = RingView(view.head, view.slot, None if entry is None else (entry, do_fwd))
-    return s, act_out, cot_out, updated
-
-  def last(self, active):
-    if isinstance(active, bool):
-      return super().last(active)
-    schedule = self.schedule
-
-    def call(s, act):
-      s = {**s, "pushes": self._chained(s["pushes"])}
-      on = lambda s, act: schedule._last_work(s, act, True)
-      _, cot_spec, metrics_spec = jax.eval_shape(on, s, act)
-      zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-      off = lambda s, act: (s, zeros(cot_spec), zeros(metrics_spec))
-      out = _switch(self._chained(jnp.asarray(active, jnp.int32)), [off, on], (s, act),
-                    [(True, False, False), (True, True, True)])
-      self._token = _always_true(out[0]["pushes"])
-      return out
-    return call
-
-
-def _always_true(x):
-  """A boolean scalar that is True whatever `x` holds, computed from x's first element by
-  integer operations XLA does not fold: a dependency on `x` for what it selects."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its bits
-    x = jax.random.key_data(x)
-  v = jnp.ravel(x)[0]
-  if jnp.issubdtype(v.dtype, jnp.floating):
-    v = jax.lax.bitcast_convert_type(v, jnp.dtype(f"int{8 * v.dtype.itemsize}"))
-  elif not jnp.issubdtype(v.dtype, jnp.integer):
-    v = v.astype(jnp.int32)
-  return (v | 1) != 0
-
-
-def _switch(index, branches, args: tuple, used):
-  """`lax.switch(index, branches, *args)`, without passing through the conditional what
-  its branches merely pass on.
-
-  XLA gives a conditional's results buffers of their own: it copies into them every operand
-  a branch returns unchanged, and every value a branch returns twice (FDG's stash entry
-  holds the weights the stage's state also returns). Every branch returns a tuple of parts
-  of one structure; `used[i][part]` says whether branch i's part is used (a message is used
-  only where its flag is on). An output leaf is left out of the conditional where every
-  branch whose part is used returns the same operand, or the same value as an earlier
-  output leaf; it is taken from there after the switch.
-  """
-  sources = []  # per branch, per output leaf: ("in", operand leaf) | ("out", leaf) | None
-
-  def probe(fn):
-    def run(*a):
-      inputs = {id(x): j for j, x in enumerate(jax.tree.leaves(a))}
-      out = fn(*a)
-      seen, src = {}, []
-      for p, x in enumerate(jax.tree.leaves(out)):
-        src.append(("out", seen[id(x)]) if id(x) in seen else
-                   ("in", inputs[id(x)]) if id(x) in inputs else None)
-        seen.setdefault(id(x), p)
-      sources.append(src)
-      return out
-    return run
-
-  shapes = [jax.eval_shape(probe(fn), *args) for fn in branches]
-  tree = jax.tree.structure(shapes[0])
-  part_of = [i for i, part in enumerate(shapes[0]) for _ in jax.tree.leaves(part)]
-  dropped = {}
-  for p, part in enumerate(part_of):
-    seen = {sources[i][p] for i in range(len(branches)) if used[i][part]}
-    if len(seen) == 1 and None not in seen:
-      dropped[p] = seen.pop()
-
-  def lean(fn):
-    return lambda *a: [x for p, x in enumerate(jax.tree.leaves(fn(*a))) if p not in dropped]
-
-  kept = iter(jax.lax.switch(index, [lean(fn) for fn in branches], *args))
-  inputs, full = jax.tree.leaves(args), []
-  for p in range(len(part_of)):
-    if p in dropped:
-      kind, j = dropped[p]
-      full.append(inputs[j] if kind == "in" else full[j])
-    else:
-      full.append(next(kept))
-  return jax.tree.unflatten(tree, full)
 
 
 def _unstack(tree, num: int) -> list:

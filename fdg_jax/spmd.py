@@ -16,7 +16,7 @@ after another), its incoming activation and its incoming cotangent, one after an
 (`_join`). The schedule state keeps these vectors between calls (`state["stages"][k]
 ["flat"]`), so a call assembles them into mesh arrays without copying and carries a few
 buffers per stage whatever the model. The stash ring stays outside the switch (see
-`packing.RingView`).
+`ring.RingView`).
 
 The batches reach stage 0's device only (the labels travel with the activations, as in the
 other engines); the other devices hold cached zeros of their shape.
@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from fdg_jax.packing import Layout, RingView, pad as _pad
+from fdg_jax.packing import Layout, pad as _pad
+from fdg_jax.ring import RingView
 from fdg_jax.placement import DATA_AXIS, _put_global
 
 AXIS = "stage"
@@ -307,7 +308,7 @@ class Engine:
 
     (core, slot read, act in, cot in, batch, t) -> (core, (entry written, flag),
     (act out, sent), (cot out, sent), batch updated, metrics, valid): everything but the
-    core is a message or a slot, never the ring (see `packing.RingView`).
+    core is a message or a slot, never the ring (see `ring.RingView`).
     """
     s, K = self.schedule, self.schedule.num_stages
     flats, lengths, slots = self.layouts()

@@ -329,3 +329,12 @@ def forward(stages: Sequence[Stage], params, model_states, x, *, train: bool = F
     x, s = stage.apply(params[k], model_states[k], x, train=train, rng=r)
     new_states.append(s)
   return x, new_states
+
+
+def stage_key(stage_rng, batch):
+  """The key of a stage's stochastic layers (dropout) for batch `batch`.
+
+  Derived, not carried: a stage whose layers draw nothing lets XLA drop the hash (on CPU a
+  loop per call), and `recompute` rebuilds the forward's key from the stashed batch index.
+  """
+  return jax.random.fold_in(stage_rng, batch)

@@ -434,7 +434,7 @@ def test_per_stage_engine_keeps_flat_rings_updated_in_place(options, heads):
     state, _ = flat.step(state, batch)
   call = flat._stage_fn(0, True, True)
   packed = state["stages"][0]
-  (rest,), apart = schedules._without_heads([packed])
+  (rest,), apart = fdg_jax.ring.without_heads([packed])
   hlo = call.jitted.lower(rest, apart, batch, state["inbox"][0]["cot"]).compile().as_text()
   sizes = {str(a.size) for a in packed["stash"]["ring"].values()}
   copies = [n for n in re.findall(r"= \w+\[(\d+)\]\{0\} copy\(", hlo) if n in sizes]
@@ -472,7 +472,7 @@ def test_fused_loop_carries_a_tick_state_without_copies_on_cpu():
     xs, ys = stacked(data)
     state, _ = sched.run(state, (xs, ys))
     assert sched.gate == (gate or "cond")
-    (rest, heads) = fdg_jax.schedules._without_heads(state["stages"])
+    (rest, heads) = fdg_jax.ring.without_heads(state["stages"])
     lowered = sched._fused_fn(len(data)).jitted.lower(
         rest, heads, state["inbox"], xs, ys, np.int32(0), np.int32(len(data)))
     copies[name] = _loop_body_copies(lowered.compile().as_text())
@@ -486,10 +486,10 @@ def test_fused_loop_carries_a_tick_state_without_copies_on_cpu():
 
 
 def test_switch_returns_what_its_branches_pass_on_from_outside_the_conditional():
-  """`schedules._switch` leaves out of the conditional an output every branch whose part is
+  """`engines.switch` leaves out of the conditional an output every branch whose part is
   used returns unchanged from an operand or as an earlier output; the values are those of
   `lax.switch` where used."""
-  from fdg_jax.schedules import _switch
+  from fdg_jax.engines import switch as _switch
   x, y = jnp.arange(3.0), jnp.arange(3.0) + 10
   branches = [lambda x, y: (x, jnp.zeros(3), y),            # part 1 unused here
               lambda x, y: (x, 2 * y, y),
@@ -533,7 +533,7 @@ def test_switch_returns_what_its_branches_pass_on_from_outside_the_conditional()
 def test_always_true_is_true_for_any_value_and_not_folded():
   """The chain of `_GatedOps` rests on a test XLA cannot prove: were it folded, the stages
   would no longer be ordered (their results would not change: only their speed)."""
-  from fdg_jax.schedules import _always_true
+  from fdg_jax.engines import always_true as _always_true
   values = [np.float32(np.nan), np.float32(-np.inf), np.float32(-0.0), np.float16(-1),
             np.int32(np.iinfo(np.int32).min), np.int32(0), np.bool_(False),
             jnp.bfloat16(-3.0)]
