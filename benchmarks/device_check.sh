@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The engine's figures on an accelerator, in one bounded run (each benchmark is stopped
-# after LIMIT seconds; the whole script takes at most 8 x LIMIT, 9 min 20 s by default).
+# after LIMIT seconds; the whole script takes at most 9 x LIMIT, 9 min 18 s by default).
 #
 #   pip install --no-deps -e . && OUT=/tmp/device_check bash benchmarks/device_check.sh
 #
 # Writes each benchmark's JSON and log under $OUT and prints the tables. What it answers:
+#   schedules      every plan side by side (BP, DDG, FDG, GPipe and 1F1B with M = 4) on
+#                  the default MLP (4 x 1024) at K = 4: throughput, host calls per tick, peak stash, and the
+#                  speed-up model's prediction for M = 4, 8, 16 and data parallelism
 #   nested         do backward convolutions run slowly inside loops/switches here, as on
 #                  XLA:CPU (the rule behind `Schedule.scan`)?
 #   dispatch_*     host time per stage per tick of `step` and `run`: tiny MLP (every engine,
@@ -23,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_check}
-LIMIT=${LIMIT:-70}
+LIMIT=${LIMIT:-62}
 mkdir -p "$OUT"
 python -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
 
@@ -41,6 +44,9 @@ QUICKSTART=(--model mlp --model_kwargs '{"widths":[128,128,128,128]}' --input_sh
 RESNET20=(--model resnet20 --batch_size 64 --stages 4 --split balanced --algorithms fdg
           --ticks 8 --repeats 3)
 
+run schedules speedup --batch_size 128 --stages 1 4 --split uniform \
+    --algorithms bp ddg fdg gpipe 1f1b --sync_microbatches 4 --microbatches 4 8 16 \
+    --ticks 10 --repeats 3
 run nested nested
 RESNET110=(--dispatch_model resnet110 --dispatch_batch 2 --split balanced --stages 4
            --algorithms fdg --repeats 3)

@@ -41,6 +41,10 @@ def test_predict_matches_hand_computation():
   assert p["gpipe_4"]["tick_s"] == pytest.approx(6 / 4 * (2 + 3 + 1.0))
   assert p["gpipe_4"]["bubble"] == pytest.approx(2 / 6)
   assert p["fdg"]["speedup"] == pytest.approx(2.0)
+  assert p["1f1b_4"] == p["gpipe_4"]  # same actions and dependencies: same tick
+  assert "dp" not in p
+  dp = bench.predict(times, [0.5, 0.25], microbatches=[4], allreduce_s=1.0)["dp"]
+  assert dp["tick_s"] == pytest.approx(11 / 3 + 1.0)  # the model on B/3, then the all-reduce
   # Transfers dominating: w = 1 per stage, c = 3 per boundary.
   slow = bench.predict([{"forward_s": 0.5, "backward_s": 0.5, "tick_s": 1.0}] * 3, [3.0, 3.0],
                        microbatches=[4])
@@ -56,7 +60,8 @@ def test_predict_matches_hand_computation():
   # One stage: every model is BP.
   one = bench.predict([{"forward_s": 1.0, "backward_s": 2.0, "tick_s": 3.0}], [], [4])
   assert {k: v["speedup"] for k, v in one.items()} == {
-      "bp": 1.0, "fdg": 1.0, "ddg": 1.0, "ddg_async": 1.0, "fdg_async": 1.0, "gpipe_4": 1.0}
+      "bp": 1.0, "fdg": 1.0, "ddg": 1.0, "ddg_async": 1.0, "fdg_async": 1.0, "gpipe_4": 1.0,
+      "1f1b_4": 1.0}
 
 
 def _simulate(algorithm, f, b, c, ticks=3000):
@@ -120,7 +125,7 @@ def bench_result(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "all.json"
   args = bench.parse_args([
       "all", "--model_kwargs", '{"widths": [16, 16, 16]}', "--input_shape", "8", "8", "1",
-      "--batch_size", "8", "--stages", "1", "2", "--algorithms", "bp", "fdg", "--ticks", "2", "--repeats", "2",
+      "--batch_size", "8", "--stages", "1", "2", "--algorithms", "bp", "fdg", "1f1b", "--ticks", "2", "--repeats", "2",
       "--dispatch_ticks", "3", "--presets", "mlp_digits", "--microbatches", "4",
       "--out", str(out)])
   bench.run(args)
@@ -133,7 +138,14 @@ def test_bench_all_writes_expected_json(bench_result):
   assert set(r) == {"meta", "throughput", "speedup", "overhead", "dispatch", "memory"}
   assert r["meta"]["platform"] == "cpu" and r["meta"]["num_devices"] == 4
   assert {(t["algorithm"], t["num_stages"]) for t in r["throughput"]} == {
-      (a, k) for a in ("bp", "fdg") for k in (1, 2)}
+      (a, k) for a in ("bp", "fdg", "1f1b") for k in (1, 2)}
+  by = {(t["algorithm"], t["num_stages"]): t for t in r["throughput"]}
+  # host calls per tick (per-stage engine): FDG K, BP 2K-1, 1F1B K M + (K-1) M + K (M = 4)
+  assert [by[("fdg", k)]["host_calls_per_tick"] for k in (1, 2)] == [1, 2]
+  assert [by[("bp", k)]["host_calls_per_tick"] for k in (1, 2)] == [1, 3]
+  assert [by[("1f1b", k)]["host_calls_per_tick"] for k in (1, 2)] == [5, 14]
+  assert by[("1f1b", 2)]["peak_stash"] == [2, 1]  # min(M, K - k) micro-batches
+  assert by[("fdg", 2)]["peak_stash"][0] == 2  # 2(K-1-k) slots
   for t in r["throughput"]:
     assert t["loss_finite"]
     for key in ("step_time_s", "samples_per_s"):
@@ -143,10 +155,11 @@ def test_bench_all_writes_expected_json(bench_result):
   rows = r["speedup"]["rows"]
   assert [row["num_stages"] for row in rows] == [1, 2]
   for row in rows:
-    assert set(row["predicted"]) == {"bp", "fdg", "ddg", "fdg_async", "ddg_async", "gpipe_4"}
+    assert set(row["predicted"]) == {"bp", "fdg", "ddg", "fdg_async", "ddg_async", "gpipe_4",
+                                     "1f1b_4", "dp"}
     assert all(_positive_finite(v["speedup"]) for v in row["predicted"].values())
     assert not row["measured_meaningful"]  # forced CPU devices
-    assert set(row["measured_speedup"]) == {"bp", "fdg"}
+    assert set(row["measured_speedup"]) == {"bp", "fdg", "1f1b"}
   assert len(rows[1]["transfer_s"]) == 1 and _positive_finite(rows[1]["transfer_s"][0])
   assert rows[1]["transfer_source"].startswith("measured")
 

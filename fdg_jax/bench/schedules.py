@@ -51,7 +51,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-ALGORITHMS = ("bp", "ddg", "fdg")
+ALGORITHMS = ("bp", "ddg", "fdg")  # the default of --algorithms
+PLANS = ALGORITHMS + ("gpipe", "1f1b")  # every schedule `throughput` can run
+SYNC = ("gpipe", "1f1b")
 POLICIES = ("stash", "recompute")
 
 # Memory presets: (model, model kwargs, input shape or None for the model's, batch size).
@@ -192,8 +194,11 @@ def _first_place(where: dict):
 
 
 def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="auto",
-                  compiler_options=None, mesh=None, gate=None):
+                  compiler_options=None, mesh=None, gate=None, microbatches: int = 4):
   import fdg_jax
+  if algorithm in SYNC:
+    return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), devices=devices,
+                          engine=engine, microbatches=microbatches)
   kwargs = {"devices": devices, "engine": engine, "compiler_options": compiler_options,
             "mesh": mesh, "gate": gate}
   if algorithm != "bp":
@@ -230,7 +235,7 @@ def prepare(schedule, params, states, batch, warmup: int | None = None,
     for _ in range(warmup):
       state, m = schedule.step(state, batch)
     t1 = time.perf_counter()
-  block((state["stages"], state["inbox"], m))
+  block((state["stages"], state.get("inbox"), m))
   # The first call (run) or the warm-up ticks (step): compilation, plus that much compute.
   entry.update(state=state, metrics=m, warmup_s=t1 - t0)
   return entry
@@ -307,7 +312,7 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
       t0, c0 = time.perf_counter(), time.thread_time()
       state, m = _advance(e, ticks)
       t1, c1 = time.perf_counter(), time.thread_time()
-      block((state["stages"], state["inbox"], m))
+      block((state["stages"], state.get("inbox"), m))
       t2 = time.perf_counter()
       e["state"], e["metrics"] = state, m
       o["host"].append((t1 - t0) / n)
@@ -318,7 +323,7 @@ def time_interleaved(entries: Sequence[dict], *, ticks: int, repeats: int) -> li
       t0 = time.perf_counter()
       state, m = _advance(e, e["run_ticks"] or 1)
       t1 = time.perf_counter()
-      block((state["stages"], state["inbox"], m))
+      block((state["stages"], state.get("inbox"), m))
       e["state"], e["metrics"] = state, m
       o["host_idle"].append((t1 - t0) / (e["run_ticks"] or 1))
   for e, o in zip(entries, out):
@@ -355,11 +360,18 @@ def bench_throughput(args, model) -> list[dict]:
     devices, where = placement_for(K)
     batch = random_batch(model, args.batch_size, devices[0] if devices else None)
     for algorithm in args.algorithms:
-      schedule = make_schedule(algorithm, stages, backward=args.backward, devices=devices)
+      M = args.sync_microbatches if algorithm in SYNC else None
+      if M is not None and args.batch_size % M:
+        raise ValueError(f"--batch_size {args.batch_size} is not a multiple of "
+                         f"--sync_microbatches {M}")
+      schedule = make_schedule(algorithm, stages, backward=args.backward, devices=devices,
+                               microbatches=M or 1)
       entries.append(prepare(schedule, params, states, batch))
       rows.append({
           "algorithm": algorithm, "num_stages": K, "boundaries": bounds, "placement": where,
-          "backward": args.backward if algorithm != "bp" else None,
+          "backward": args.backward if algorithm in ("ddg", "fdg") else None,
+          "microbatches": M, "host_calls_per_tick": host_calls_per_tick(schedule),
+          "peak_stash": list(schedule.ring_sizes),
           "batch_size": args.batch_size, "ticks": args.ticks, "repeats": args.repeats})
   times = time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   for row, t in zip(rows, times):
@@ -372,14 +384,28 @@ def bench_throughput(args, model) -> list[dict]:
   return rows
 
 
+def host_calls_per_tick(schedule) -> int:
+  """Jitted calls the per-stage engine makes per steady tick: one per call of the plan
+  (BP and DDG 2K-1, FDG K); a synchronous pipeline's M forwards and M-per-stage backwards
+  (K M + (K-1) M) and one update per stage."""
+  plan = getattr(schedule, "plan", None)
+  if plan is not None:
+    return len(plan.calls)
+  K, M = schedule.num_stages, schedule.microbatches
+  return K * M + (K - 1) * M + K
+
+
 def throughput_table(rows) -> str:
-  lines = ["| algorithm | K | placement | step time ms, median [min, max] | samples/s median |",
-           "|---|---|---|---|---|"]
+  lines = ["| schedule | K | placement | step time ms, median [min, max] | samples/s median | "
+           "host calls per tick | peak stash per stage (slots; micro-batches for GPipe/1F1B) |",
+           "|---|---|---|---|---|---|---|"]
   for r in rows:
     s = r["step_time_s"]
-    lines.append(f"| {r['algorithm'].upper()} | {r['num_stages']} | {r['placement']} | "
+    name = r["algorithm"].upper() + (f" M={r['microbatches']}" if r.get("microbatches") else "")
+    lines.append(f"| {name} | {r['num_stages']} | {r['placement']} | "
                  f"{1e3 * s['median']:.2f} [{1e3 * s['min']:.2f}, {1e3 * s['max']:.2f}] | "
-                 f"{r['samples_per_s']['median']:,.0f} |")
+                 f"{r['samples_per_s']['median']:,.0f} | {r.get('host_calls_per_tick', '–')} | "
+                 f"{', '.join(map(str, r.get('peak_stash', []))) or '–'} |")
   return "\n".join(lines)
 
 
@@ -512,8 +538,8 @@ def bench_dispatch(args) -> list[dict]:
       for where, label, engine in places:
         batch = random_batch(model, batch_size, _first_place(where))
         for algorithm in args.algorithms:
-          if engine == "spmd" and algorithm != "fdg":
-            continue  # FDG only
+          if (engine == "spmd" and algorithm != "fdg") or algorithm in SYNC:
+            continue  # SPMD: FDG only; GPipe and 1F1B: throughput only
           schedule = make_schedule(algorithm, stages, engine=engine, **where)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))
           rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
@@ -740,7 +766,8 @@ def transfer_time(nbytes: int, *, calls: int, repeats: int, link_gbps: float,
 
 
 def predict(times: Sequence[dict], transfers: Sequence[float],
-            microbatches: Sequence[int] = (4, 16), host_s: dict | None = None) -> dict:
+            microbatches: Sequence[int] = (4, 16), host_s: dict | None = None,
+            allreduce_s: float | None = None) -> dict:
   """Critical-path tick times (seconds) of K stages on K devices, and speed-ups over BP.
 
   Args:
@@ -749,6 +776,8 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
     transfers: c_k, seconds to send stage k's output (or the same-sized cotangent) across
       boundary k, k = 0..K-2.
     microbatches: M values for the GPipe model.
+    allreduce_s: seconds to all-reduce the whole model's gradients over K devices (ring:
+      2(K-1) transfers of 1/K of the parameter bytes); with it, data parallelism is modelled.
 
   All models assume that links are full duplex, that a transfer is not overlapped with the
   compute of the same stage, that a stage's time does not change when it runs beside others,
@@ -792,6 +821,12 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
           b_k/M, c_k/M (linear scaling: optimistic for small micro-batches); forward then
           backward each take (M + K - 1) slots of the slowest stage,
           T = (M+K-1)/M * (max f + max b + 2 max c); bubble (K-1)/(M+K-1).
+  1f1b_M: 1F1B (PipeDream-Flush) runs the same actions with the same dependencies, so in
+          this model its tick equals GPipe's; what it saves is stash memory (min(M, K-k)
+          micro-batches on stage k instead of M).
+  dp:     data parallelism over the same K devices: each runs the whole model on B/K
+          (linear scaling, as for GPipe), then the gradients are all-reduced, not
+          overlapped: T = sum_k w_k / K + allreduce_s.
   """
   K = len(times)
   f = [t["forward_s"] for t in times]
@@ -821,6 +856,10 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
   for M in microbatches:
     t = (M + K - 1) / M * (max(f) + max(b) + 2 * cmax)
     out[f"gpipe_{M}"] = {"tick_s": t, "speedup": t_bp / t, "bubble": (K - 1) / (M + K - 1)}
+    out[f"1f1b_{M}"] = dict(out[f"gpipe_{M}"])
+  if allreduce_s is not None:
+    t = t_bp / K + (allreduce_s if K > 1 else 0.0)
+    out["dp"] = {"tick_s": t, "speedup": t_bp / t, "allreduce_s": allreduce_s}
   return out
 
 
@@ -848,11 +887,19 @@ def bench_speedup(args, model, throughput_rows=None) -> dict:
     # The host's time to dispatch one tick on K devices, where the throughput run measured it.
     host = {a: tp[(a, K)]["host_time_s"]["median"] for a in ("fdg", "ddg")
             if (a, K) in tp and tp[(a, K)]["placement"] != "1 device"}
-    pred = predict(times, transfers, args.microbatches, host_s=host or None)
+    # Data parallelism's all-reduce: 2(K-1) transfers of 1/K of the parameters (ring).
+    param_bytes = sum(tree_bytes(p) for p in params)
+    allreduce = 0.0
+    if K > 1:
+      c, _ = transfer_time(max(param_bytes // K, 1), calls=args.ticks, repeats=args.repeats,
+                           link_gbps=args.link_gbps, link_latency_us=args.link_latency_us)
+      allreduce = 2 * (K - 1) * c
+    pred = predict(times, transfers, args.microbatches, host_s=host or None,
+                   allreduce_s=allreduce)
     distinct = len(jax.devices()) >= K
     meaningful = info["platform"] != "cpu" and distinct
     measured = {}
-    for algorithm in ("fdg", "ddg", "bp"):
+    for algorithm in PLANS:
       r = tp.get((algorithm, K))
       if r is not None and bp1 is not None:  # per interleaved repetition, then the median
         measured[algorithm] = statistics.median(
@@ -876,9 +923,9 @@ def speedup_table(result) -> str:
   Ms = result["microbatches"]
   head = ("| K | stage tick ms (f+b) | transfer µs | FDG pred. sync | DDG pred. sync | "
           "FDG pred. async | DDG pred. async | "
-          + " | ".join(f"GPipe M={m} pred. (bubble)" for m in Ms)
-          + " | FDG meas. | DDG meas. | meaningful |")
-  lines = [head, "|" + "---|" * (10 + len(Ms))]
+          + " | ".join(f"GPipe = 1F1B M={m} pred. (bubble)" for m in Ms)
+          + " | DP pred. | FDG meas. | DDG meas. | GPipe meas. | 1F1B meas. | meaningful |")
+  lines = [head, "|" + "---|" * (13 + len(Ms))]
   for r in result["rows"]:
     p, m = r["predicted"], r["measured_speedup"]
     st = " / ".join(f"{1e3 * t['forward_s']:.2f}+{1e3 * t['backward_s']:.2f}"
@@ -888,10 +935,12 @@ def speedup_table(result) -> str:
                     for M in Ms)
     fm = lambda a: f"{m[a]:.2f}" if a in m else "–"
     hb = lambda a: " (host-bound)" if p[a].get("host_bound") else ""
+    dp = f"{p['dp']['speedup']:.2f}" if "dp" in p else "–"
     lines.append(f"| {r['num_stages']} | {st} | {tr} | {p['fdg']['speedup']:.2f} | "
                  f"{p['ddg']['speedup']:.2f} | {p['fdg_async']['speedup']:.2f}"
                  f"{hb('fdg_async')} | {p['ddg_async']['speedup']:.2f}{hb('ddg_async')} | {gp} | "
-                 f"{fm('fdg')} | {fm('ddg')} | {'yes' if r['measured_meaningful'] else 'no'} |")
+                 f"{dp} | {fm('fdg')} | {fm('ddg')} | {fm('gpipe')} | {fm('1f1b')} | "
+                 f"{'yes' if r['measured_meaningful'] else 'no'} |")
   return "\n".join(lines)
 
 
@@ -915,7 +964,10 @@ def parse_args(argv=None):
   parser.add_argument("--batch_size", type=int, default=128, help="global batch per tick")
   parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4], help="values of K")
   parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS),
-                      choices=ALGORITHMS)
+                      choices=PLANS, help="the schedules of throughput (and speedup's "
+                      "measured columns); gpipe and 1f1b run --sync_microbatches micro-batches")
+  parser.add_argument("--sync_microbatches", type=int, default=4,
+                      help="M of the gpipe and 1f1b throughput runs")
   parser.add_argument("--split", default="balanced", help="uniform | balanced | paper")
   parser.add_argument("--backward", default="stash", choices=POLICIES,
                       help="backward policy of the throughput runs")
