@@ -24,6 +24,20 @@ def test_recommendations_by_family_and_schedule():
     assert fields.get("optimizer") == staleness.recommend("adamw", "fdg")[0].get("optimizer")
 
 
+def test_adaptive_optimisers_get_the_vit_study_choice():
+  assert staleness.recommend("adamw", "fdg") == (
+      {"optimizer": "basis_rotation", "staleness": "error_feedback", "staleness_strength": 0.5},
+      "staleness=auto: error_feedback, staleness_strength 0.5; optimizer adamw -> "
+      "basis_rotation (the study's choice for adaptive optimisers)")
+  assert staleness.recommend("adam", "ddg")[0] == {"optimizer": "basis_rotation",
+                                                   "staleness": "none"}
+  assert staleness.recommend("muon", "bp")[0] == {"optimizer": "basis_rotation",
+                                                  "staleness": "none"}
+  # already the recommended optimiser: only the remedy
+  assert staleness.recommend("basis_rotation", "fdg")[0] == {
+      "staleness": "error_feedback", "staleness_strength": 0.5}
+
+
 def test_auto_is_the_recommended_run_and_says_so(tmp_path, capsys):
   c = tiny_config(algorithm="fdg", num_stages=3, num_epochs=1, momentum=0.9,
                   learning_rate=0.02, staleness="auto")
