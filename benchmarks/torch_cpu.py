@@ -2,6 +2,7 @@
 
     python benchmarks/torch_cpu.py                     # ~5 min on 2 cores
     python benchmarks/torch_cpu.py --xla_flags "--xla_cpu_use_onednn=true" --repeats 5
+    python benchmarks/torch_cpu.py --bp_only --variants "" "--xla_cpu_use_xnnpack=true"
 
 PyTorch is not a dependency of fdg_jax: without it installed this prints how to install it
 (`pip install torch`, a CPU build is enough) and times fdg_jax alone.
@@ -82,7 +83,6 @@ def torch_bp(args) -> float:
 def fdg_jax_run(args, algorithm: str, k: int) -> float:
   import jax
   import numpy as np
-  import optax
   import fdg_jax
   from fdg_jax.bench import schedules as B
   from fdg_jax.optim import make_optimizer
@@ -117,12 +117,12 @@ def child(args) -> None:
   print(json.dumps({"seconds_per_batch": seconds}))
 
 
-def measure(args, contender: str) -> float | None:
+def measure(args, contender: str, xla_flags: str) -> float | None:
   cmd = [sys.executable, __file__, "--child", contender, "--batch_size", str(args.batch_size),
          "--batches", str(args.batches), "--warmup", str(args.warmup),
          "--ticks_per_call", str(args.ticks_per_call)]
   env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  env["XLA_FLAGS"] = args.xla_flags
+  env["XLA_FLAGS"] = xla_flags
   out = subprocess.run(cmd, capture_output=True, text=True, env=env)
   if out.returncode != 0:
     print(f"{contender}: failed: {out.stderr.strip().splitlines()[-1] if out.stderr else ''}")
@@ -139,6 +139,10 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--xla_flags", default=os.environ.get("XLA_FLAGS", ""),
                       help="XLA_FLAGS for the fdg_jax processes")
+  parser.add_argument("--variants", nargs="+", default=None,
+                      help="several XLA_FLAGS values, each timed as its own fdg_jax contender "
+                      "(side by side with the others and torch); '' is XLA's defaults")
+  parser.add_argument("--bp_only", action="store_true", help="time fdg_jax BP K=1 only")
   parser.add_argument("--out", default="")
   parser.add_argument("--child", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -146,22 +150,26 @@ def main(argv=None) -> int:
     args.contender = args.child
     child(args)
     return 0
+  ours = [c for c in CONTENDERS if c != "torch BP" and (not args.bp_only or "BP" in c)]
+  variants = args.variants if args.variants is not None else [args.xla_flags]
+  contenders = [(c if len(variants) == 1 else f"{c} [{v or 'defaults'}]", c, v)
+                for v in variants for c in ours]
   try:
     import torch  # noqa: F401
-    contenders = list(CONTENDERS)
+    contenders.insert(0, ("torch BP", "torch BP", ""))
   except ImportError:
     print("PyTorch is not installed: timing fdg_jax alone (pip install torch; a CPU build is "
           "enough, e.g. pip install torch --index-url https://download.pytorch.org/whl/cpu)")
-    contenders = [c for c in CONTENDERS if c != "torch BP"]
-  times = {c: [] for c in contenders}
+  times = {label: [] for label, _, _ in contenders}
   for r in range(args.repeats):
-    for c in contenders:
-      s = measure(args, c)
+    for label, c, flags in contenders:
+      s = measure(args, c, flags)
       if s is not None:
-        times[c].append(s)
-      print(f"repeat {r}: {c}: {s if s is None else f'{s:.4f} s/batch'}", flush=True)
+        times[label].append(s)
+      print(f"repeat {r}: {label}: {s if s is None else f'{s:.4f} s/batch'}", flush=True)
   med = {c: statistics.median(v) for c, v in times.items() if v}
-  print(f"\nResNet-20, batch {args.batch_size}, SGD momentum 0.9; XLA_FLAGS={args.xla_flags!r}\n")
+  flags = "" if len(variants) > 1 else f"; XLA_FLAGS={variants[0]!r}"
+  print(f"\nResNet-20, batch {args.batch_size}, SGD momentum 0.9{flags}\n")
   print("| contender | s per batch, median [min, max] | × torch BP |")
   print("|---|---|---|")
   for c, v in times.items():
