@@ -1,6 +1,6 @@
 """CPU time per batch: fdg_jax against PyTorch, side by side (ResNet-20, CIFAR shapes).
 
-    python benchmarks/torch_cpu.py                     # ~5 min on 2 cores
+    python benchmarks/torch_cpu.py                     # ~7 min on 2 cores
     python benchmarks/torch_cpu.py --xla_flags "--xla_cpu_use_onednn=true" --repeats 5
     python benchmarks/torch_cpu.py --bp_only --variants "" "--xla_cpu_use_xnnpack=true"
 
@@ -11,11 +11,15 @@ The workload: ResNet-20 (option-A shortcuts, as `fdg_jax.models.create("resnet20
 --batch_size of 32x32x3 images, SGD lr 0.1, momentum 0.9, weight decay 5e-4, cross-entropy.
 - torch BP: the same network written here in torch.nn (NCHW), one training step per batch,
   torch's default threads;
+- torch FDG K=4 (threads): that network split into 4 stages by layer count, trained by FDG in
+  the style of the paper's official code (`torch_fdg.py`: one Python thread per stage each
+  tick, joined at its end; weight stashing; one SGD per stage), one batch per tick, torch's
+  default intra-op threads; its warm-up is at least the pipeline's fill plus one tick (7);
 - fdg_jax BP K=1 and FDG K=4 (balanced split): the trainer's path, the fused engine through
   `run` on one CPU device, --ticks_per_call ticks per call.
 Each measurement is a fresh process (so they do not share threads or caches); the repeats
 alternate between the contenders. Prints seconds per batch, median [min, max], and the ratio
-of each fdg_jax figure to torch BP's; writes --out (JSON).
+of each figure to torch BP's; writes --out (JSON).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import time
 
 
 # ------------------------------------------------------------------------------ contenders
-def torch_bp(args) -> float:
-  import torch
+def torch_resnet20():
+  """ResNet-20 with option-A shortcuts in torch.nn (NCHW): one nn.Sequential of 15 children,
+  the stem's conv, BatchNorm and ReLU, the nine residual blocks, then pooling, flatten and the
+  linear head."""
   import torch.nn as nn
   import torch.nn.functional as F
 
@@ -61,23 +67,49 @@ def torch_bp(args) -> float:
       layers.append(Block(c, width, stride if i == 0 else 1))
       c = width
   layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
-  model = nn.Sequential(*layers)
-  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+  return nn.Sequential(*layers)
+
+
+def torch_sgd(params):
+  """The benchmark's optimizer in torch: SGD lr 0.1, momentum 0.9, weight decay 5e-4."""
+  import torch
+  return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
+
+
+def torch_timed(args, step, warmup: int) -> float:
+  """Seconds per call of step() over args.batches calls, after `warmup` untimed ones; the
+  calls train on one fixed random batch of args.batch_size."""
+  import torch
   g = torch.Generator().manual_seed(0)
   x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
   y = torch.randint(0, 10, (args.batch_size,), generator=g)
+  for _ in range(warmup):
+    step(x, y)
+  t0 = time.perf_counter()
+  for _ in range(args.batches):
+    step(x, y)
+  return (time.perf_counter() - t0) / args.batches
 
-  def step():
+
+def torch_bp(args) -> float:
+  import torch.nn.functional as F
+  model = torch_resnet20()
+  opt = torch_sgd(model.parameters())
+
+  def step(x, y):
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
     opt.step()
 
-  for _ in range(args.warmup):
-    step()
-  t0 = time.perf_counter()
-  for _ in range(args.batches):
-    step()
-  return (time.perf_counter() - t0) / args.batches
+  return torch_timed(args, step, args.warmup)
+
+
+def torch_fdg_run(args, k: int) -> float:
+  """FDG with K=k stages in torch (`torch_fdg.FDG`); the warm-up is at least the pipeline's
+  fill, 2(k-1) ticks, plus one."""
+  import torch_fdg
+  pipe = torch_fdg.FDG(torch_resnet20(), k, torch_sgd)
+  return torch_timed(args, pipe.tick, max(args.warmup, 2 * (k - 1) + 1))
 
 
 def fdg_jax_run(args, algorithm: str, k: int) -> float:
@@ -106,14 +138,19 @@ def fdg_jax_run(args, algorithm: str, k: int) -> float:
   return (time.perf_counter() - t0) / (calls * T)
 
 
-CONTENDERS = {"torch BP": None, "fdg_jax BP K=1": ("bp", 1), "fdg_jax FDG K=4": ("fdg", 4)}
+# name: (library, algorithm, K); the torch ones are timed when torch is installed
+CONTENDERS = {"torch BP": ("torch", "bp", 1), "torch FDG K=4 (threads)": ("torch", "fdg", 4),
+              "fdg_jax BP K=1": ("fdg_jax", "bp", 1), "fdg_jax FDG K=4": ("fdg_jax", "fdg", 4)}
 
 
 def child(args) -> None:
-  if args.contender == "torch BP":
+  library, algorithm, k = CONTENDERS[args.contender]
+  if library == "fdg_jax":
+    seconds = fdg_jax_run(args, algorithm, k)
+  elif algorithm == "bp":
     seconds = torch_bp(args)
   else:
-    seconds = fdg_jax_run(args, *CONTENDERS[args.contender])
+    seconds = torch_fdg_run(args, k)
   print(json.dumps({"seconds_per_batch": seconds}))
 
 
@@ -142,7 +179,8 @@ def main(argv=None) -> int:
   parser.add_argument("--variants", nargs="+", default=None,
                       help="several XLA_FLAGS values, each timed as its own fdg_jax contender "
                       "(side by side with the others and torch); '' is XLA's defaults")
-  parser.add_argument("--bp_only", action="store_true", help="time fdg_jax BP K=1 only")
+  parser.add_argument("--bp_only", action="store_true",
+                      help="time the BP contenders only (fdg_jax BP K=1 and torch BP)")
   parser.add_argument("--out", default="")
   parser.add_argument("--child", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -150,13 +188,14 @@ def main(argv=None) -> int:
     args.contender = args.child
     child(args)
     return 0
-  ours = [c for c in CONTENDERS if c != "torch BP" and (not args.bp_only or "BP" in c)]
+  chosen = {c: lib for c, (lib, alg, _) in CONTENDERS.items() if not args.bp_only or alg == "bp"}
+  ours = [c for c, lib in chosen.items() if lib == "fdg_jax"]
   variants = args.variants if args.variants is not None else [args.xla_flags]
   contenders = [(c if len(variants) == 1 else f"{c} [{v or 'defaults'}]", c, v)
                 for v in variants for c in ours]
   try:
     import torch  # noqa: F401
-    contenders.insert(0, ("torch BP", "torch BP", ""))
+    contenders[:0] = [(c, c, "") for c, lib in chosen.items() if lib == "torch"]
   except ImportError:
     print("PyTorch is not installed: timing fdg_jax alone (pip install torch; a CPU build is "
           "enough, e.g. pip install torch --index-url https://download.pytorch.org/whl/cpu)")
