@@ -92,8 +92,13 @@ class Plan:
 
   def reads_now(self, k: int, kind: str) -> bool:
     """Whether stage k reads its `kind` message ("act" or "cot") in the tick it is sent."""
-    return any(c.stage == k and (c.act if kind == "act" else c.cot) == "now"
-               for c in self.calls)
+    return (k, kind) in self._read_now
+
+  @functools.cached_property
+  def _read_now(self) -> frozenset:
+    # asked once per message per tick by the interpreter: a set, not a scan of the calls
+    return frozenset((c.stage, kind) for c in self.calls for kind, where in
+                     (("act", c.act), ("cot", c.cot)) if where == "now")
 
   def reads_inbox(self, k: int, kind: str) -> bool:
     """Whether stage k reads its `kind` message at the tick after it is sent."""
@@ -114,11 +119,13 @@ class Plan:
     the inbox in place instead of copying it)."""
     return any(c.act == "inbox" or c.cot == "inbox" for c in self.calls)
 
-  def issue_order(self, old_messages_first: bool) -> list[int]:
+  def issue_order(self, old_messages_first: bool) -> tuple[int, ...]:
     """Indices of `calls` in the order an engine issues them. With `old_messages_first`,
     each maximal run of consecutive calls that read nothing sent "now" is reversed."""
-    if not old_messages_first:
-      return list(range(len(self.calls)))
+    return self._issue_orders[bool(old_messages_first)]
+
+  @functools.cached_property
+  def _issue_orders(self) -> dict:
     order, run = [], []
     for i, c in enumerate(self.calls):
       if "now" in (c.act, c.cot):
@@ -126,7 +133,7 @@ class Plan:
         run = []
       else:
         run.append(i)
-    return order + run[::-1]
+    return {False: tuple(range(len(self.calls))), True: tuple(order + run[::-1])}
 
   def grid(self, ticks: int | None = None) -> str:
     """The plan over `ticks` ticks as text: one row per tick, one column per stage, each cell
