@@ -210,7 +210,6 @@ def test_cost_kinds():
 
 
 def test_stash_bytes():
-  import fdg_jax.schedules as sched
   m = models.create("cnn", channels=(4, 6), hidden=8)
   x = jnp.zeros((2, 8, 8, 3))
   bounds = [1, 2, 3]
@@ -224,9 +223,9 @@ def test_stash_bytes():
     assert all(v > 0 for v in fdg[:-1])
     for k in range(3):
       for alg in ("fdg", "ddg"):
-        assert partition.ring_length(k, 4, alg, heads) == sched.ring_size(alg, k, 4) + heads
+        assert partition.ring_length(k, 4, alg, heads) == delays.ring_size(alg, k, 4) + heads
     assert partition.ring_length(3, 4, "fdg", heads) == 0
-    assert delays.slots_held("bp", 0, 2, heads) == sched.ring_size("bp", 0, 2) == 1
+    assert delays.slots_held("bp", 0, 2, heads) == delays.ring_size("bp", 0, 2) == 1
   default = delays.ring_heads_default(jax.default_backend())
   assert partition.stash_bytes(m, bounds, x) == partition.stash_bytes(m, bounds, x, "fdg",
                                                                       default)
