@@ -2,7 +2,7 @@
 
     python benchmarks/torch_cpu.py                     # ~7 min on 2 cores
     python benchmarks/torch_cpu.py --xla_flags "--xla_cpu_use_onednn=true" --repeats 5
-    python benchmarks/torch_cpu.py --bp_only --variants "" "--xla_cpu_use_xnnpack=true"
+    python benchmarks/torch_cpu.py --bp_only --variants "" "xla_cpu_use_xnnpack=true"
 
 PyTorch is not a dependency of fdg_jax: without it installed this prints how to install it
 (`pip install torch`, a CPU build is enough) and times fdg_jax alone.
@@ -178,7 +178,8 @@ def main(argv=None) -> int:
                       help="XLA_FLAGS for the fdg_jax processes")
   parser.add_argument("--variants", nargs="+", default=None,
                       help="several XLA_FLAGS values, each timed as its own fdg_jax contender "
-                      "(side by side with the others and torch); '' is XLA's defaults")
+                      "(side by side with the others and torch), each written without its leading "
+                      "'--', e.g. xla_cpu_use_xnnpack=true; '' is XLA's defaults")
   parser.add_argument("--bp_only", action="store_true",
                       help="time the BP contenders only (fdg_jax BP K=1 and torch BP)")
   parser.add_argument("--out", default="")
@@ -190,7 +191,10 @@ def main(argv=None) -> int:
     return 0
   chosen = {c: lib for c, (lib, alg, _) in CONTENDERS.items() if not args.bp_only or alg == "bp"}
   ours = [c for c, lib in chosen.items() if lib == "fdg_jax"]
-  variants = args.variants if args.variants is not None else [args.xla_flags]
+  # A variant's flags may be written without their leading "--" (argparse would take
+  # "--xla_..." for an option of this script): "xla_cpu_use_xnnpack=true".
+  variants = ([" ".join(f if f.startswith("--") else f"--{f}" for f in v.split())
+               for v in args.variants] if args.variants is not None else [args.xla_flags])
   contenders = [(c if len(variants) == 1 else f"{c} [{v or 'defaults'}]", c, v)
                 for v in variants for c in ours]
   try:
