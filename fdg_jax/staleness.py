@@ -569,8 +569,8 @@ def recommend(optimizer: str, algorithm: str, *, momentum: float = 0.0,
               nesterov: bool = False) -> tuple[dict, str]:
   """What `--config.staleness=auto` sets: (config fields, one line saying so).
 
-  Chosen on held-out data by benchmarks/delay_robust.py (docs/results.md, "Delay-robust
-  optimisation"), per optimiser family and schedule:
+  Chosen on held-out data by benchmarks/delay_robust.py (docs/staleness.md), per optimiser
+  family and schedule:
 
   - SGD with heavy-ball momentum, DDG or FDG: spike compensation with linear weight
     prediction (Kosson et al. 2021), the best remedy of the 8-block MLP at K = 8 under both
