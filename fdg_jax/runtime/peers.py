@@ -166,6 +166,8 @@ def supervise(argv: list[str], *, env=None) -> int:
       details = f"; details in {path}"
     except OSError:
       pass
+  if lost is None and n == "2" and me in ("0", "1"):
+    lost = 1 - int(me)  # of two processes, the lost one is the other
   who = "a peer process" if lost is None else f"process {lost}" + (
       " (the coordinator)" if lost == 0 else "")
   print(f"error: lost {who} of {n} ({why}); this is process {me}; newest checkpoint: "
