@@ -410,8 +410,15 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default="")
   args = parser.parse_args(argv)
   args.schedules = list(dict.fromkeys(["BP", "FDG K=8", *args.schedules]))
+  # A variant of a part's workload keeps its own records and JSON (the records' names do not
+  # carry the workload's size).
+  variant = ""
   if args.part == "mlp" and (args.mlp_width != 96 or args.mlp_lr != 0.03):
-    args.workdir = os.path.join(args.workdir, f"w{args.mlp_width}_lr{args.mlp_lr:g}")
+    variant = f"w{args.mlp_width}_lr{args.mlp_lr:g}"
+  elif args.part == "gpt" and args.gpt_bytes != 1_000_000:
+    variant = f"b{args.gpt_bytes}"
+  if variant:
+    args.workdir = os.path.join(args.workdir, variant)
   started = time.time()
   study = Study(args)
   try:
@@ -420,9 +427,8 @@ def main(argv=None) -> int:
     study.close()
   text, summary = report(study, result)
   print(text)
-  variant = (f"_w{args.mlp_width}_lr{args.mlp_lr:g}"
-             if args.part == "mlp" and (args.mlp_width != 96 or args.mlp_lr != 0.03) else "")
-  out = args.out or str(ROOT / "docs" / "results" / f"delay_robust_{args.part}{variant}.json")
+  out = args.out or str(ROOT / "docs" / "results" /
+                        f"delay_robust_{args.part}{'_' + variant if variant else ''}.json")
   if not args.report:
     with open(out, "w") as f:
       json.dump({"part": args.part, "args": {k: v for k, v in vars(args).items()},
