@@ -45,11 +45,7 @@ def run(checkout: pathlib.Path, kind: str, extra: list[str], out: str) -> dict[s
   subprocess.run(cmd, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL,
                  stderr=subprocess.DEVNULL)
   with open(out) as f:
-    data = json.load(f)
-  rows = data[kind] if isinstance(data, dict) and kind in data else data
-  if isinstance(rows, dict):
-    rows = rows.get("rows", [])
-  return figures(kind, rows)
+    return figures(kind, json.load(f)[kind])
 
 
 def main(argv=None) -> int:

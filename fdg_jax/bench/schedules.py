@@ -52,8 +52,8 @@ import time
 from typing import Any, Callable, Sequence
 
 ALGORITHMS = ("bp", "ddg", "fdg")  # the default of --algorithms
-PLANS = ALGORITHMS + ("gpipe", "1f1b")  # every schedule `throughput` can run
-SYNC = ("gpipe", "1f1b")
+SYNC = ("gpipe", "1f1b")  # the synchronous pipelines
+PLANS = ALGORITHMS + SYNC  # every schedule `throughput` can run
 POLICIES = ("stash", "recompute")
 
 # Memory presets: (model, model kwargs, input shape or None for the model's, batch size).
