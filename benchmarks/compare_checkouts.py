@@ -58,6 +58,8 @@ def main(argv=None) -> int:
   parser.add_argument("--dispatch_args",
                       default="--stages 4 --algorithms bp ddg fdg --repeats 5",
                       help="arguments of `bench dispatch`")
+  parser.add_argument("--kinds", nargs="+", choices=("overhead", "dispatch"),
+                      default=["overhead", "dispatch"], help="the benchmarks run")
   args = parser.parse_args(argv)
   sides = {"old": pathlib.Path(args.old).resolve(), "new": pathlib.Path(args.new).resolve()}
   for name, path in sides.items():
@@ -69,6 +71,8 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as tmp:
     for i in range(args.rounds):
       for kind, extra in (("overhead", args.overhead_args), ("dispatch", args.dispatch_args)):
+        if kind not in args.kinds:
+          continue
         for name, path in sides.items():
           out = os.path.join(tmp, f"{name}_{kind}_{i}.json")
           for key, value in run(path, kind, extra.split(), out).items():

@@ -90,6 +90,35 @@ class Plan:
       return fwd, fwd
     return fwd, bwd
 
+  def issued(self, t, old_messages_first: bool) -> tuple:
+    """The calls an engine issues at tick t, in its issue order (`issue_order`), each as
+    (call, forwards, backwards) with the flags of `flags`; a call with neither is left out.
+    For a host int or None the answer is computed once per tick of the fill (every tick
+    from `fill_ticks` on is the same), so that the interpreter's host cost per tick is the
+    hand-written schedules'."""
+    if t is None or isinstance(t, int):
+      key = (None if t is None or t >= self.fill_ticks else t, bool(old_messages_first))
+      cache = self._issued_by_tick
+      if key not in cache:
+        cache[key] = self._issued(*key)
+      return cache[key]
+    return self._issued(t, old_messages_first)
+
+  @functools.cached_property
+  def _issued_by_tick(self) -> dict:
+    return {}
+
+  def _issued(self, t, old_messages_first) -> tuple:
+    out = []
+    for i in self.issue_order(old_messages_first):
+      call = self.calls[i]
+      fwd, bwd = self.flags(call.stage, t)
+      fwd = fwd if call.forward else False
+      bwd = bwd if call.backward else False
+      if fwd is not False or bwd is not False:
+        out.append((call, fwd, bwd))
+    return tuple(out)
+
   def reads_now(self, k: int, kind: str) -> bool:
     """Whether stage k reads its `kind` message ("act" or "cot") in the tick it is sent."""
     return (k, kind) in self._read_now

@@ -553,21 +553,13 @@ class Schedule(Telemetry):
     # The engine may issue the calls that read only messages of tick t-1 in any order among
     # themselves; `engines.GatedOps` reverses them, so that each message of tick t-1 is read before
     # the one replacing it is made.
-    for i in plan.issue_order(ops.old_messages_first):
-      call = plan.calls[i]
+    for call, do_fwd, do_bwd in plan.issued(t, ops.old_messages_first):
       k = call.stage
       if k == K - 1:
-        if active is False:
-          continue
         stages[k], cot, metrics = ops.last(active)(stages[k], source(k, "act", call.act))
         updated[k] = _select(active, metrics["batch"], NO_UPDATE)
         if cot is not None:
           send(k - 1, "cot", active, cot)
-        continue
-      fwd, bwd = self._flags(k, t)
-      do_fwd = fwd if call.forward else False
-      do_bwd = bwd if call.backward else False
-      if do_fwd is False and do_bwd is False:
         continue
       stages[k], act_out, cot_out, upd = ops.stage(k, do_fwd, do_bwd)(
           stages[k], source(k, "act", call.act) if do_fwd is not False else None,

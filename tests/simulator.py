@@ -155,3 +155,48 @@ def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backwar
   if probe_ticks:
     return theta, ms, trace, probes
   return theta, ms, trace
+
+
+def simulate_microbatched(applies, params, states, opt, data, microbatches, *, loss_fn=None,
+                          keys=None):
+  """Plain-Python synchronous pipeline (GPipe, 1F1B) per ALGORITHMS.md: each batch cut into
+  M equal micro-batches, every stage's gradient the mean of the micro-batches' (the loss of
+  micro-batch m is its own mean, divided by M), one update per stage per batch. The order of
+  the forwards and backwards across devices does not enter: with no delay, it cannot change
+  the result. A stage's model state is updated by each micro-batch's forward, m = 0..M-1;
+  with `keys`, the forward of micro-batch m of batch t on stage k runs with
+  `fold_in(fold_in(keys[k], t), m)`. Returns (params, states, updated-per-tick)."""
+  if loss_fn is None:
+    from toy_models import loss_fn
+  K, M = len(applies), microbatches
+  theta, ms = list(params), list(states)
+  opts = [opt] * K if hasattr(opt, "init") else list(opt)
+  opt_states = [o.init(p) for o, p in zip(opts, theta)]
+  trace = []
+  for t, (x, y) in enumerate(data):
+    n = x.shape[0] // M
+    weights = []
+    for k in range(K):  # a forward hook (weight prediction) has nothing to predict at d = 0
+      hook = getattr(opts[k], "forward", None)
+      weights.append(theta[k] if hook is None else hook(theta[k], opt_states[k])[0])
+    total = None
+    for m in range(M):
+      xm, ym = x[m * n:(m + 1) * n], y[m * n:(m + 1) * n]
+      rngs = [None if keys is None else jax.random.fold_in(jax.random.fold_in(keys[k], t), m)
+              for k in range(K)]
+
+      def loss(ps, xm=xm, ym=ym, rngs=rngs):
+        h, new_states = xm, []
+        for k in range(K):
+          h, s = applies[k](ps[k], ms[k], h, train=True, rng=rngs[k])
+          new_states.append(s)
+        return loss_fn(h, ym) / M, new_states
+
+      grads, new_states = jax.grad(loss, has_aux=True)(weights)
+      ms = list(new_states)
+      total = grads if total is None else jax.tree.map(lambda a, b: a + b, total, grads)
+    for k in range(K):
+      upd, opt_states[k] = opts[k].update(total[k], opt_states[k], theta[k])
+      theta[k] = optax.apply_updates(theta[k], upd)
+    trace.append([t] * K)
+  return theta, ms, trace
