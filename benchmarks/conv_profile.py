@@ -13,9 +13,10 @@ timed in three contenders, each in a fresh process, the repeats alternating:
 - `jax NCHW`: the same with NCHW / OIHW, torch's layout (does XLA:CPU prefer it?);
 - `torch`: `torch.nn.functional.conv2d` and `torch.autograd.grad`, NCHW, default threads
   (timed when torch is installed; `pip install torch`, a CPU build is enough).
-A last row per contender times the whole training step of the same network (SGD momentum
-0.9; fdg_jax's BP K=1 through `run`, torch's `nn.Sequential`), so that the convolutions'
-share of it can be read off. Prints milliseconds per call (median over repeats), the sums
+A second table times the whole training step of the same network (SGD momentum 0.9;
+fdg_jax's BP K=1 through `run`, torch's `nn.Sequential`), with and without its BatchNorms
+(each replaced by the identity), so that the step splits into BatchNorm, the convolutions
+(the sum of the first table) and the rest (ReLU, shortcuts, pooling, head, loss, SGD). Prints milliseconds per call (median over repeats), the sums
 weighted by each convolution's count, and the ratios to torch; writes --out (JSON).
 """
 
@@ -42,8 +43,9 @@ CONTENDERS = ("jax NHWC", "jax NCHW", "torch")
 
 
 def _timed(fn, iters: int) -> float:
-  """Seconds per call of fn() (which blocks until its result is ready) after 2 untimed."""
-  for _ in range(2):
+  """Seconds per call of fn() (which blocks until its result is ready) after 5 untimed (torch
+  sets up a convolution's kernels over its first calls of a shape)."""
+  for _ in range(5):
     fn()
   t0 = time.perf_counter()
   for _ in range(iters):
@@ -83,6 +85,9 @@ def jax_convs(args, layout: str) -> dict:
     step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4,
                                    ticks_per_call=4)
     out["whole step"] = {"step": torch_cpu.fdg_jax_run(step_args, "bp", 1)}
+    from fdg_jax.models import resnet
+    resnet.batch_norm = lambda *a, **k: (lambda x: x)  # the same network, BatchNorm removed
+    out["whole step, no BatchNorm"] = {"step": torch_cpu.fdg_jax_run(step_args, "bp", 1)}
   return out
 
 
@@ -116,6 +121,18 @@ def torch_convs(args) -> dict:
   import torch_cpu
   step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4)
   out["whole step"] = {"step": torch_cpu.torch_bp(step_args)}
+  make = torch_cpu.torch_resnet20
+
+  def without_batch_norm():  # the same network, every BatchNorm2d an identity
+    model = make()
+    for module in list(model.modules()):
+      for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.BatchNorm2d):
+          setattr(module, name, torch.nn.Identity())
+    return model
+
+  torch_cpu.torch_resnet20 = without_batch_norm
+  out["whole step, no BatchNorm"] = {"step": torch_cpu.torch_bp(step_args)}
   return out
 
 
@@ -185,16 +202,20 @@ def main(argv=None) -> int:
   cells = [f"{totals[c]['forward']:.1f} | {totals[c]['backward']:.1f}" for c in have]
   print(f"| all 19, weighted | | {' | '.join(cells)} |")
   print()
+  print("| contender | whole step | BatchNorm (whole - without it) | convolutions (the sum "
+        "above) | the rest (without BatchNorm - convolutions) |")
+  print("|---|---|---|---|---|")
   for c in have:
     conv = totals[c]["forward"] + totals[c]["backward"]
-    line = f"{c}: convolutions {conv:.1f} ms per training step"
-    if "whole step" in med[c]:
-      step = med[c]["whole step"]["step"]
-      line += f", whole step {step:.1f} ms (convolutions {100 * conv / step:.0f}%)"
-    if "torch" in med and c != "torch":
-      t = totals["torch"]["forward"] + totals["torch"]["backward"]
-      line += f"; convolutions x{conv / t:.2f} torch's"
-    print(line)
+    if "whole step" not in med[c]:
+      print(f"| {c} | – | – | {conv:.1f} | – |")
+      continue
+    step = med[c]["whole step"]["step"]
+    bare = med[c]["whole step, no BatchNorm"]["step"]
+    pct = lambda v: f"{v:.1f} ({100 * v / step:.0f}%)"  # noqa: E731
+    print(f"| {c} | {step:.1f} | {pct(step - bare)} | {pct(conv)} | {pct(bare - conv)} |")
+  print("\nms per training step of ResNet-20; the convolutions timed alone, each in its own "
+        "program, the steps as whole programs (XLA fuses across layers there)")
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"args": vars(args), "ms_median": med, "runs_s": runs}, f, indent=1)
