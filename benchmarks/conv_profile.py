@@ -2,6 +2,7 @@
 
     python benchmarks/conv_profile.py            # ~3 min on 2 cores
     python benchmarks/conv_profile.py --batch_size 64 --repeats 7
+    python benchmarks/conv_profile.py --trace /tmp/trace   # also profile the whole step
 
 `benchmarks/torch_cpu.py` times a whole training step (fdg_jax BP K=1 against torch). This
 script breaks that step down: for each distinct convolution of ResNet-20 (CIFAR shapes,
@@ -16,13 +17,17 @@ timed in three contenders, each in a fresh process, the repeats alternating:
 A second table times the whole training step of the same network (SGD momentum 0.9;
 fdg_jax's BP K=1 through `run`, torch's `nn.Sequential`), with and without its BatchNorms
 (each replaced by the identity), so that the step splits into BatchNorm, the convolutions
-(the sum of the first table) and the rest (ReLU, shortcuts, pooling, head, loss, SGD). Prints milliseconds per call (median over repeats), the sums
+(the sum of the first table) and the rest (ReLU, shortcuts, pooling, head, loss, SGD).
+With --trace, fdg_jax's whole step also runs under JAX's profiler, and the time XLA:CPU's
+worker threads spend in each kind of thunk (convolutions, layout transposes, fusions) is
+printed from the trace. Prints milliseconds per call (median over repeats), the sums
 weighted by each convolution's count, and the ratios to torch; writes --out (JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -136,7 +141,59 @@ def torch_convs(args) -> dict:
   return out
 
 
+def trace_step(args) -> None:
+  """A profiler trace (JAX's, Python tracing off) of two `run` calls of 4 ticks of fdg_jax's
+  ResNet-20 BP K=1, after two untimed ones; written under args.trace."""
+  import jax
+  import numpy as np
+  import fdg_jax
+  from fdg_jax.bench import schedules as B
+  from fdg_jax.optim import make_optimizer
+  model = B.build_model("resnet20", {}, None)
+  _, stages, params, states = B.build_stages(model, 1, "balanced", args.batch_size)
+  sched = fdg_jax.create("bp", stages, B.loss_fn,
+                         make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=5e-4))
+  state = sched.init(params, states)
+  rng = np.random.default_rng(0)
+  xs = rng.normal(size=(4, args.batch_size, 32, 32, 3)).astype(np.float32)
+  ys = rng.integers(0, 10, size=(4, args.batch_size)).astype(np.int32)
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  for traced in (False, True):
+    with (jax.profiler.trace(args.trace, profiler_options=options) if traced
+          else contextlib.nullcontext()):
+      for _ in range(2):
+        state, m = sched.run(state, (xs, ys))
+      jax.block_until_ready((state, m))
+
+
+def thunk_breakdown(trace_dir: str) -> list[tuple[str, float, int]]:
+  """(kind, ms, count) of the XLA:CPU thunks the trace's worker threads ran, by kind (the
+  thunk's name without its number: transpose_copy_fusion.23 -> transpose_copy_fusion)."""
+  import glob
+  import gzip
+  import re
+  path = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
+  events = json.load(gzip.open(path[-1]))["traceEvents"]
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  ms, count = {}, {}
+  for e in events:
+    if "dur" not in e or e["name"].startswith(("ThunkExecutor", "end: ")):
+      continue
+    if not threads.get((e["pid"], e["tid"]), "").startswith("tf_XLAEigen"):
+      continue
+    kind = re.sub(r"\.\d+$", "", e["name"])
+    ms[kind] = ms.get(kind, 0.0) + e["dur"] / 1e3
+    count[kind] = count.get(kind, 0) + 1
+  return sorted(((k, v, count[k]) for k, v in ms.items()), key=lambda r: -r[1])
+
+
 def child(args) -> None:
+  if args.child == "trace":
+    trace_step(args)
+    print(json.dumps({}))
+    return
   if args.child == "torch":
     res = torch_convs(args)
   else:
@@ -146,7 +203,8 @@ def child(args) -> None:
 
 def measure(args, contender: str) -> dict | None:
   cmd = [sys.executable, os.path.abspath(__file__), "--child", contender,
-         "--batch_size", str(args.batch_size), "--iters", str(args.iters)]
+         "--batch_size", str(args.batch_size), "--iters", str(args.iters),
+         "--trace", args.trace]
   env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
   out = subprocess.run(cmd, capture_output=True, text=True, env=env)
   if out.returncode != 0:
@@ -161,11 +219,18 @@ def main(argv=None) -> int:
   parser.add_argument("--iters", type=int, default=10, help="calls per timing")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="")
+  parser.add_argument("--trace", default="",
+                      help="also profile fdg_jax's whole step (JAX's profiler) into this "
+                      "directory and print its time by XLA:CPU thunk kind")
   parser.add_argument("--child", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:
     child(args)
     return 0
+  breakdown = None
+  if args.trace:
+    if measure(args, "trace") is not None:
+      breakdown = thunk_breakdown(args.trace)
   contenders = list(CONTENDERS)
   try:
     import torch  # noqa: F401
@@ -216,9 +281,18 @@ def main(argv=None) -> int:
     print(f"| {c} | {step:.1f} | {pct(step - bare)} | {pct(conv)} | {pct(bare - conv)} |")
   print("\nms per training step of ResNet-20; the convolutions timed alone, each in its own "
         "program, the steps as whole programs (XLA fuses across layers there)")
+  if breakdown:
+    total = sum(v for _, v, _ in breakdown)
+    print(f"\nfdg_jax's ResNet-20 step under the profiler (8 ticks): XLA:CPU worker threads' time "
+          f"by thunk kind, {total:.0f} ms in all\n")
+    print("| thunk kind | ms | share | count |")
+    print("|---|---|---|---|")
+    for kind, v, n in breakdown[:12]:
+      print(f"| {kind} | {v:.0f} | {100 * v / total:.1f}% | {n} |")
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"args": vars(args), "ms_median": med, "runs_s": runs}, f, indent=1)
+      json.dump({"args": vars(args), "ms_median": med, "runs_s": runs,
+                 "thunks_ms": breakdown}, f, indent=1)
   return 0
 
 
