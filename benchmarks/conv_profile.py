@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_cpu.py, beside this file
+
 # (name, input H = W, channels in, channels out, stride, how many in ResNet-20)
 CONVS = (
     ("stem 3->16 @32", 32, 3, 16, 1, 1),
@@ -85,7 +87,6 @@ def jax_convs(args, layout: str) -> dict:
     out[name] = {"forward": _timed(lambda: fwd(x, w).block_until_ready(), args.iters),
                  "backward": _timed(lambda: jax.block_until_ready(bwd(x, w, g)), args.iters)}
   if layout == "NHWC":  # the whole training step, fdg_jax's BP K=1 (torch_cpu.py's contender)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch_cpu
     step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4,
                                    ticks_per_call=4)
@@ -122,7 +123,6 @@ def torch_convs(args) -> dict:
     # bwd includes a forward (autograd needs its graph): the forward's time is taken off
     f, fb = _timed(fwd, args.iters), _timed(bwd, args.iters)
     out[name] = {"forward": f, "backward": max(fb - f, 0.0)}
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import torch_cpu
   step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4)
   out["whole step"] = {"step": torch_cpu.torch_bp(step_args)}

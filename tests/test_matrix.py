@@ -249,7 +249,8 @@ def test_combination_matches_the_simulator(case):
   stages, params, states, loss = build(case)
   sched = schedule_for(case, stages, loss)
   # Micro-batches of 4 (not 2) for the synchronous pipelines: BatchNorm over two samples makes
-  # the gradient so ill-conditioned that float32 rounding moves Adam's step by 1e-3.
+  # the gradient so ill-conditioned that float32 rounding moved the result by 2.5e-5 with SGD
+  # and 5e-3 with rotated Adam (measured).
   data = batches(TICKS, batch_size=16 if case["algorithm"] in SYNC else 8)
   (got_params, got_states), trace, keys = run_case(sched, params, states, data, case["call"])
   if case["algorithm"] in SYNC:  # BP on the same batches, micro-batched
