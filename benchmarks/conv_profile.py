@@ -31,11 +31,11 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_cpu.py, beside this file
+import torch_cpu  # noqa: E402
 
 # (name, input H = W, channels in, channels out, stride, how many in ResNet-20)
 CONVS = (
@@ -87,7 +87,6 @@ def jax_convs(args, layout: str) -> dict:
     out[name] = {"forward": _timed(lambda: fwd(x, w).block_until_ready(), args.iters),
                  "backward": _timed(lambda: jax.block_until_ready(bwd(x, w, g)), args.iters)}
   if layout == "NHWC":  # the whole training step, fdg_jax's BP K=1 (torch_cpu.py's contender)
-    import torch_cpu
     step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4,
                                    ticks_per_call=4)
     out["whole step"] = {"step": torch_cpu.fdg_jax_run(step_args, "bp", 1)}
@@ -123,7 +122,6 @@ def torch_convs(args) -> dict:
     # bwd includes a forward (autograd needs its graph): the forward's time is taken off
     f, fb = _timed(fwd, args.iters), _timed(bwd, args.iters)
     out[name] = {"forward": f, "backward": max(fb - f, 0.0)}
-  import torch_cpu
   step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4)
   out["whole step"] = {"step": torch_cpu.torch_bp(step_args)}
   make = torch_cpu.torch_resnet20
@@ -145,25 +143,14 @@ def trace_step(args) -> None:
   """A profiler trace (JAX's, Python tracing off) of two `run` calls of 4 ticks of fdg_jax's
   ResNet-20 BP K=1, after two untimed ones; written under args.trace."""
   import jax
-  import numpy as np
-  import fdg_jax
-  from fdg_jax.bench import schedules as B
-  from fdg_jax.optim import make_optimizer
-  model = B.build_model("resnet20", {}, None)
-  _, stages, params, states = B.build_stages(model, 1, "balanced", args.batch_size)
-  sched = fdg_jax.create("bp", stages, B.loss_fn,
-                         make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=5e-4))
-  state = sched.init(params, states)
-  rng = np.random.default_rng(0)
-  xs = rng.normal(size=(4, args.batch_size, 32, 32, 3)).astype(np.float32)
-  ys = rng.integers(0, 10, size=(4, args.batch_size)).astype(np.int32)
+  sched, state, batches = torch_cpu.resnet20_schedule("bp", 1, args.batch_size, 4)
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
   for traced in (False, True):
     with (jax.profiler.trace(args.trace, profiler_options=options) if traced
           else contextlib.nullcontext()):
       for _ in range(2):
-        state, m = sched.run(state, (xs, ys))
+        state, m = sched.run(state, batches)
       jax.block_until_ready((state, m))
 
 
@@ -202,15 +189,9 @@ def child(args) -> None:
 
 
 def measure(args, contender: str) -> dict | None:
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", contender,
-         "--batch_size", str(args.batch_size), "--iters", str(args.iters),
-         "--trace", args.trace]
-  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-  if out.returncode != 0:
-    print(f"{contender}: failed: {out.stderr.strip().splitlines()[-1] if out.stderr else ''}")
-    return None
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return torch_cpu.run_child(__file__, ["--child", contender, "--batch_size",
+                                        str(args.batch_size), "--iters", str(args.iters),
+                                        "--trace", args.trace])
 
 
 def main(argv=None) -> int:

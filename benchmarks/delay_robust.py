@@ -22,7 +22,7 @@ Protocol (successive halving; every choice on a held-out part of the training sp
 never on the split reported):
   1. screen: every optimiser at BP and FDG K=8, each lr multiplier of --lrs;
   2. the K=8 finalists (the --finalists optimisers with the best validation score at FDG K=8,
-     plus AdamW as the reference): DDG K=4, FDG K=4 and DDG K=8 over the same lr grid; then
+     plus AdamW as the reference when screened): DDG K=4, FDG K=4 and DDG K=8 over the same lr grid; then
      each remedy of REMEDIES at FDG K=4 and K=8 (and DDG K=8) at that cell's chosen lr;
   3. test: every cell's chosen setting with each seed of --seeds, on the test split (gpt: the
      corpus's validation files; images: the test split).
@@ -258,7 +258,8 @@ class Study:
     else:
       k8 = sorted(optimizers, key=lambda o: -self.score(self.run(
           [(o, "FDG K=8", chosen[(o, "FDG K=8")][0], None, 0)], True)[0]))
-      finalists = list(dict.fromkeys(k8[:a.finalists] + ["adamw"]))
+      # AdamW is the reference finalist unless the screen was pruned to exclude it.
+      finalists = list(dict.fromkeys(k8[:a.finalists] + ["adamw"] * ("adamw" in optimizers)))
     # 2. the finalists' other delayed schedules, then the remedies.
     others = [s for s in ("DDG K=4", "FDG K=4", "DDG K=8") if s in a.schedules]
     self.run([(o, s, m, None, 0) for o in finalists for s in others for m in a.lrs], True)
@@ -415,8 +416,9 @@ def main(argv=None) -> int:
   variant = ""
   if args.part == "mlp" and (args.mlp_width != 96 or args.mlp_lr != 0.03):
     variant = f"w{args.mlp_width}_lr{args.mlp_lr:g}"
-  elif args.part == "gpt" and args.gpt_bytes != 1_000_000:
-    variant = f"b{args.gpt_bytes}"
+  elif args.part == "gpt" and (args.gpt_bytes != 1_000_000 or args.gpt_epochs != 1):
+    variant = "_".join(([f"b{args.gpt_bytes}"] if args.gpt_bytes != 1_000_000 else [])
+                       + ([f"e{args.gpt_epochs}"] if args.gpt_epochs != 1 else []))
   if variant:
     args.workdir = os.path.join(args.workdir, variant)
   started = time.time()

@@ -112,30 +112,50 @@ def torch_fdg_run(args, k: int) -> float:
   return torch_timed(args, pipe.tick, max(args.warmup, 2 * (k - 1) + 1))
 
 
-def fdg_jax_run(args, algorithm: str, k: int) -> float:
-  import jax
+def resnet20_schedule(algorithm: str, k: int, batch_size: int, ticks: int):
+  """fdg_jax's ResNet-20 at K stages with the benchmark's SGD (lr 0.1, momentum 0.9, weight
+  decay 5e-4): (schedule, its initial state, `ticks` batches of random images and labels)."""
   import numpy as np
   import fdg_jax
   from fdg_jax.bench import schedules as B
   from fdg_jax.optim import make_optimizer
   model = B.build_model("resnet20", {}, None)
-  _, stages, params, states = B.build_stages(model, k, "balanced", args.batch_size)
+  _, stages, params, states = B.build_stages(model, k, "balanced", batch_size)
   opt = make_optimizer("sgd", 0.1, momentum=0.9, weight_decay=5e-4)
   sched = fdg_jax.create(algorithm, stages, B.loss_fn, opt)
-  state = sched.init(params, states)
-  T = args.ticks_per_call
   rng = np.random.default_rng(0)
-  xs = rng.normal(size=(T, args.batch_size, 32, 32, 3)).astype(np.float32)
-  ys = rng.integers(0, 10, size=(T, args.batch_size)).astype(np.int32)
+  xs = rng.normal(size=(ticks, batch_size, 32, 32, 3)).astype(np.float32)
+  ys = rng.integers(0, 10, size=(ticks, batch_size)).astype(np.int32)
+  return sched, sched.init(params, states), (xs, ys)
+
+
+def fdg_jax_run(args, algorithm: str, k: int) -> float:
+  import jax
+  T = args.ticks_per_call
+  sched, state, batches = resnet20_schedule(algorithm, k, args.batch_size, T)
   calls = max(1, args.batches // T)
   for _ in range(max(1, args.warmup // T + 1)):
-    state, m = sched.run(state, (xs, ys))
+    state, m = sched.run(state, batches)
   jax.block_until_ready((state, m))
   t0 = time.perf_counter()
   for _ in range(calls):
-    state, m = sched.run(state, (xs, ys))
+    state, m = sched.run(state, batches)
   jax.block_until_ready((state, m))
   return (time.perf_counter() - t0) / (calls * T)
+
+
+def run_child(script: str, argv: list[str], env_updates: dict | None = None) -> dict | None:
+  """Runs `python script argv` in a fresh process (without the parent's JAX_NUM_CPU_DEVICES)
+  and returns the JSON object of its last output line; None, after one line, if it failed."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  env.update(env_updates or {})
+  out = subprocess.run([sys.executable, os.path.abspath(script), *argv], capture_output=True,
+                       text=True, env=env)
+  if out.returncode != 0:
+    print(f"{argv[1] if len(argv) > 1 else script}: failed: "
+          f"{out.stderr.strip().splitlines()[-1] if out.stderr else ''}")
+    return None
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # name: (library, algorithm, K); the torch ones are timed when torch is installed
@@ -155,16 +175,11 @@ def child(args) -> None:
 
 
 def measure(args, contender: str, xla_flags: str) -> float | None:
-  cmd = [sys.executable, __file__, "--child", contender, "--batch_size", str(args.batch_size),
-         "--batches", str(args.batches), "--warmup", str(args.warmup),
-         "--ticks_per_call", str(args.ticks_per_call)]
-  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  env["XLA_FLAGS"] = xla_flags
-  out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-  if out.returncode != 0:
-    print(f"{contender}: failed: {out.stderr.strip().splitlines()[-1] if out.stderr else ''}")
-    return None
-  return json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_batch"]
+  res = run_child(__file__, ["--child", contender, "--batch_size", str(args.batch_size),
+                             "--batches", str(args.batches), "--warmup", str(args.warmup),
+                             "--ticks_per_call", str(args.ticks_per_call)],
+                  {"XLA_FLAGS": xla_flags})
+  return None if res is None else res["seconds_per_batch"]
 
 
 def main(argv=None) -> int:
