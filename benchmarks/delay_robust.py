@@ -263,28 +263,35 @@ class Study:
     # 2. the finalists' other delayed schedules, then the remedies.
     others = [s for s in ("DDG K=4", "FDG K=4", "DDG K=8") if s in a.schedules]
     self.run([(o, s, m, None, 0) for o in finalists for s in others for m in a.lrs], True)
+    trials = {}  # (optimizer, schedule) -> the remedies tried there
     for o in finalists:
       for s in others:
         chosen[(o, s)] = self.best(o, s)
       if a.remedy_for and o not in a.remedy_for:
         continue
       for s in [s for s in a.remedy_at if s in a.schedules]:
-        remedies = [r for r in REMEDIES[self.family]  # shrinking is FDG's
-                    if ("beta" not in REMEDIES[self.family][r] or s.startswith("FDG"))
-                    and (not a.remedies or r in a.remedies)]
-        lr = chosen[(o, s)][0]
-        plain = self.run([(o, s, lr, None, 0)], True)[0]
-        rows = self.run([(o, s, lr, r, 0) for r in remedies], True)
-        options = [(self.score(plain), 0, (lr, None))] + [
-            (self.score(row), -1 - i, (lr, r)) for i, (row, r) in enumerate(zip(rows, remedies))]
-        chosen[(o, s)] = max(options)[2]
-    # 3. test every chosen setting with every seed.
-    tests = {}
-    for (o, s), (lr, remedy) in chosen.items():
-      if a.tested and o not in a.tested and s not in ("BP", "FDG K=8"):
-        continue  # reported on the held-out split only
-      rows = self.run([(o, s, lr, remedy, seed) for seed in a.seeds], False)
-      tests[(o, s)] = {"lr_mult": lr, "remedy": remedy, "rows": rows}
+        trials[(o, s)] = [r for r in REMEDIES[self.family]  # shrinking is FDG's
+                          if ("beta" not in REMEDIES[self.family][r] or s.startswith("FDG"))
+                          and (not a.remedies or r in a.remedies)]
+    # All remedy runs in one batch (so every worker is busy), then each cell's choice.
+    self.run([(o, s, chosen[(o, s)][0], r, 0) for (o, s), rs in trials.items() for r in rs],
+             True)
+    for (o, s), remedies in trials.items():
+      lr = chosen[(o, s)][0]
+      plain = self.run([(o, s, lr, None, 0)], True)[0]
+      rows = self.run([(o, s, lr, r, 0) for r in remedies], True)
+      options = [(self.score(plain), 0, (lr, None))] + [
+          (self.score(row), -1 - i, (lr, r)) for i, (row, r) in enumerate(zip(rows, remedies))]
+      chosen[(o, s)] = max(options)[2]
+    # 3. test every chosen setting with every seed: one batch, seed by seed (a stopped study
+    # has whole seeds done rather than whole cells).
+    cells = {(o, s): c for (o, s), c in chosen.items()
+             if not (a.tested and o not in a.tested and s not in ("BP", "FDG K=8"))}
+    self.run([(o, s, lr, remedy, seed) for seed in a.seeds
+              for (o, s), (lr, remedy) in cells.items()], False)
+    tests = {(o, s): {"lr_mult": lr, "remedy": remedy,
+                      "rows": self.run([(o, s, lr, remedy, seed) for seed in a.seeds], False)}
+             for (o, s), (lr, remedy) in cells.items()}
     return {"chosen": chosen, "tests": tests, "finalists": finalists}
 
   def close(self):
