@@ -24,18 +24,23 @@ never on the split reported):
   2. the K=8 finalists (the --finalists optimisers with the best validation score at FDG K=8,
      plus AdamW as the reference when screened): DDG K=4, FDG K=4 and DDG K=8 over the same lr grid; then
      each remedy of REMEDIES at FDG K=4 and K=8 (and DDG K=8) at that cell's chosen lr;
+  2b. (--settings) each optimiser setting of SETTINGS (b1, warm-up) on top of every finalist
+     cell's choice, BP included; kept where the held-out score improves;
   3. test: every cell's chosen setting with each seed of --seeds, on the test split (gpt: the
      corpus's validation files; images: the test split).
+Wherever a cell's best lr multiplier sits at the grid's edge, the grid grows past it (x2 or /2,
+up to --extend steps a side) before the choice is made.
 The held-out part: digits, 20% of the training split (fixed permutation); text, the training
 split's bytes after the first 1 MB (other files than those trained on).
 mlp: the optimiser is SGD momentum 0.9 (no screen); the lr grid and the remedies run at every
 delayed schedule; --mlp_width and --mlp_lr give the robustness runs' settings.
 
-Every run's record is saved under --workdir as it finishes; a rerun reuses them (so a part can
-be stopped and resumed, and --report prints the tables without training). Writes
-docs/delay_robust_<part>.json and prints markdown tables: per optimiser the delay's cost
-(each schedule against BP with the same optimiser), and the headline (the best delayed run
-per schedule against the best BP run).
+Every run's record is saved under --workdir and into the part's JSON as it finishes; a rerun
+reuses them (so a part can be stopped and resumed, on another machine too: the JSON alone
+suffices; --resume_from adds other JSONs' records), and --report prints the tables without
+training. Writes docs/results/delay_robust_<part>.json and prints markdown tables: per
+optimiser the delay's cost (each schedule against BP with the same optimiser), and the headline
+(the best delayed run per schedule against the best BP run).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ SGD = {"sgd_m0.9": {"optimizer": "sgd", "momentum": 0.9, "learning_rate": 0.03}}
 REMEDIES = {
     "adam": {
         "error_feedback 0.5": {"staleness": "error_feedback", "staleness_strength": 0.5},
+        "error_feedback 1": {"staleness": "error_feedback", "staleness_strength": 1.0},
         "weight_prediction": {"staleness": "weight_prediction"},
         "weight_prediction+lr_by_delay": {"staleness": "weight_prediction+lr_by_delay",
                                           "staleness_ramp_epochs": "sixth"},
@@ -93,6 +99,15 @@ REMEDIES = {
         "dc adaptive": {"staleness": "dc", "dc_adaptive": True},
     },
 }
+# Optimiser settings tried at every cell of the finalists, BP included (--settings), each on
+# top of the cell's chosen lr and remedy. "b1" is the first moment's decay (for muon: its
+# momentum `beta` and its Adam part's `adam_b1`); "warmup" the warm-up's length in epochs.
+SETTINGS = {
+    "adam": {"b1 0.95": {"b1": 0.95}, "b1 0.98": {"b1": 0.98}, "b1 0.99": {"b1": 0.99},
+             "warmup 1": {"warmup_epochs": 1.0}},
+    "sgd": {"warmup 1": {"warmup_epochs": 1.0}},
+}
+JOIN = " & "  # a cell's "remedy" slot: remedy and/or setting, joined
 
 
 def workload(part: str, args) -> tuple[str, dict, dict]:
@@ -177,8 +192,23 @@ class Study:
     self.records: dict[str, dict] = {}
     self.store = pathlib.Path(args.workdir) / args.part / "records"
     self.store.mkdir(parents=True, exist_ok=True)
+    self.extra: dict[tuple, set] = {}  # (optimizer, schedule) -> lr multipliers past the grid
+    # The study's JSON holds every record so far (rewritten as each run ends); a rerun starts
+    # from it and from --resume_from, so a study survives the loss of its --workdir.
+    self.out = pathlib.Path(args.out)
+    for path in [*args.resume_from, *([self.out] if self.out.exists() else [])]:
+      for record in json.loads(pathlib.Path(path).read_text()).get("runs", []):
+        self.records.setdefault(record["name"], record)
     self.pool = None if args.report else concurrent.futures.ProcessPoolExecutor(
         max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn"))
+
+  def save_partial(self):
+    """The records so far into the study's JSON (its other fields kept until the study ends)."""
+    data = json.loads(self.out.read_text()) if self.out.exists() else {"part": self.part}
+    data.update(runs=list(self.records.values()), partial=True)
+    tmp = self.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=True))
+    os.replace(tmp, self.out)
 
   def score(self, r: dict) -> float:
     if r is None or r["diverged"] or r["test_loss"] is None or math.isnan(r["test_loss"]):
@@ -195,10 +225,18 @@ class Study:
     if "optimizer_kwargs" in spec:
       f["optimizer_kwargs"] = {k: v * lr_mult if k.endswith("learning_rate") else v
                                for k, v in spec["optimizer_kwargs"].items()}
-    for key, value in (REMEDIES[self.family][remedy] if remedy else {}).items():
-      if value == "sixth":  # a ramp over the first sixth of training
-        value = f["num_epochs"] / 6.0
-      f[key] = value
+    for part in (remedy.split(JOIN) if remedy else ()):
+      spec = REMEDIES[self.family].get(part, SETTINGS[self.family].get(part))
+      if spec is None:
+        raise ValueError(f"unknown remedy or setting {part!r}")
+      for key, value in spec.items():
+        if value == "sixth":  # a ramp over the first sixth of training
+          value = f["num_epochs"] / 6.0
+        if key == "b1" and f["optimizer"] == "muon":  # muon's own names for it
+          f["optimizer_kwargs"] = {**f.get("optimizer_kwargs", {}), "beta": value,
+                                   "adam_b1": value}
+          continue
+        f[key] = value
     f["staleness_ramp_epochs"] = f.get("staleness_ramp_epochs", -1.0)
     return f
 
@@ -234,14 +272,38 @@ class Study:
         record["test_perplexity"] = math.exp(record["test_loss"])
       (self.store / f"{t['name']}.json").write_text(json.dumps(record))
       self.records[t["name"]] = record
+      if not self.args.report:
+        self.save_partial()
     return [self.records.get(n) for n in names]
+
+  def grid(self, optimizer, schedule) -> list[float]:
+    return sorted(set(self.args.lrs) | self.extra.get((optimizer, schedule), set()))
 
   def best(self, optimizer, schedule, remedies=(None,)) -> tuple:
     """The (lr multiplier, remedy) with the best validation score among those run."""
-    options = [(m, r) for r in remedies for m in self.args.lrs]
+    options = [(m, r) for r in remedies for m in self.grid(optimizer, schedule)]
     rows = self.run([(optimizer, schedule, m, r, 0) for m, r in options], True)
     scored = [(self.score(row), -i, opt) for i, (row, opt) in enumerate(zip(rows, options))]
     return max(scored)[2] if scored else (1.0, None)
+
+  def extend(self, cells) -> None:
+    """Moves the lr grid of each (optimizer, schedule) past its edge while the best multiplier
+    sits there (x2 above the top, /2 below the bottom), up to --extend steps a side; the new
+    runs of every cell in one batch per round."""
+    for _ in range(self.args.extend):
+      todo = []
+      for o, s in cells:
+        grid, (m, _) = self.grid(o, s), self.best(o, s)
+        if self.records.get(self.name(o, s, m, None, 0, True)) is None or len(grid) < 2:
+          continue
+        new = m * 2 if m == grid[-1] else m / 2 if m == grid[0] else None
+        if new is not None and abs(math.log2(new / (self.args.lrs[-1] if new > m else
+                                                     self.args.lrs[0]))) <= self.args.extend:
+          self.extra.setdefault((o, s), set()).add(new)
+          todo.append((o, s, new, None, 0))
+      if not todo:
+        return
+      self.run(todo, True)
 
   def protocol(self) -> dict:
     a = self.args
@@ -250,6 +312,7 @@ class Study:
     # 1. screen: every optimiser at BP and FDG K=8 over the lr grid.
     self.run([(o, s, m, None, 0) for o in optimizers for s in ("BP", "FDG K=8")
               for m in a.lrs], True)
+    self.extend([(o, s) for o in optimizers for s in ("BP", "FDG K=8")])
     for o in optimizers:
       for s in ("BP", "FDG K=8"):
         chosen[(o, s)] = self.best(o, s)
@@ -263,6 +326,7 @@ class Study:
     # 2. the finalists' other delayed schedules, then the remedies.
     others = [s for s in ("DDG K=4", "FDG K=4", "DDG K=8") if s in a.schedules]
     self.run([(o, s, m, None, 0) for o in finalists for s in others for m in a.lrs], True)
+    self.extend([(o, s) for o in finalists for s in others])
     trials = {}  # (optimizer, schedule) -> the remedies tried there
     for o in finalists:
       for s in others:
@@ -283,6 +347,20 @@ class Study:
       options = [(self.score(plain), 0, (lr, None))] + [
           (self.score(row), -1 - i, (lr, r)) for i, (row, r) in enumerate(zip(rows, remedies))]
       chosen[(o, s)] = max(options)[2]
+    # 2b. the optimiser's settings (--settings) on top of each finalist cell's choice, BP
+    # included, one at a time; kept only where the held-out score improves.
+    if a.settings:
+      cells = [(o, s) for (o, s) in chosen if o in finalists and s in a.schedules]
+      def with_setting(remedy, setting):
+        return setting if remedy is None else f"{remedy}{JOIN}{setting}"
+      self.run([(o, s, chosen[(o, s)][0], with_setting(chosen[(o, s)][1], st), 0)
+                for (o, s) in cells for st in a.settings], True)
+      for o, s in cells:
+        lr, remedy = chosen[(o, s)]
+        options = [(lr, remedy)] + [(lr, with_setting(remedy, st)) for st in a.settings]
+        rows = self.run([(o, s, m, r, 0) for m, r in options], True)
+        chosen[(o, s)] = max((self.score(row), -i, opt)
+                             for i, (row, opt) in enumerate(zip(rows, options)))[2]
     # 3. test every chosen setting with every seed: one batch, seed by seed (a stopped study
     # has whole seeds done rather than whole cells).
     cells = {(o, s): c for (o, s), c in chosen.items()
@@ -383,7 +461,7 @@ def report(study: Study, result: dict) -> tuple[str, dict]:
   return "\n".join(lines), summary
 
 
-def main(argv=None) -> int:
+def make_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--part", required=True, choices=("gpt", "vit", "mlp"))
   parser.add_argument("--lrs", type=float, nargs="+", default=[0.5, 1.0, 2.0],
@@ -410,12 +488,26 @@ def main(argv=None) -> int:
                       help="prune: finalists tested at every schedule (default: all); the "
                            "others are tested at BP and FDG K=8, their other cells reported "
                            "on the held-out split only")
+  parser.add_argument("--settings", nargs="+", default=[],
+                      help="optimiser settings tried at every finalist cell, BP included "
+                           "(names of SETTINGS, e.g. 'b1 0.98' 'warmup 1'; default: none)")
+  parser.add_argument("--extend", type=int, default=2,
+                      help="steps (x2 or /2) the lr grid may grow past an edge where a cell's "
+                           "best multiplier sits (0: the grid as given)")
+  parser.add_argument("--resume_from", nargs="+", default=[],
+                      help="JSON files of earlier runs of the study whose records are reused "
+                           "(the part's own JSON always is)")
   parser.add_argument("--gpt_bytes", type=int, default=1_000_000,
                       help="gpt: training bytes (the held-out part follows them)")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--report", action="store_true", help="tables from saved runs only")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "delay_robust"))
   parser.add_argument("--out", default="")
+  return parser
+
+
+def main(argv=None) -> int:
+  parser = make_parser()
   args = parser.parse_args(argv)
   args.schedules = list(dict.fromkeys(["BP", "FDG K=8", *args.schedules]))
   # A variant of a part's workload keeps its own records and JSON (the records' names do not
@@ -428,6 +520,13 @@ def main(argv=None) -> int:
                        + ([f"e{args.gpt_epochs}"] if args.gpt_epochs != 1 else []))
   if variant:
     args.workdir = os.path.join(args.workdir, variant)
+  args.out = args.out or str(ROOT / "docs" / "results" /
+                             f"delay_robust_{args.part}{'_' + variant if variant else ''}.json")
+  unknown = [x for x in args.settings
+             if x not in SETTINGS["sgd" if args.part == "mlp" else "adam"]]
+  if unknown:
+    parser.error(f"unknown --settings {unknown}; known: "
+                 f"{list(SETTINGS['sgd' if args.part == 'mlp' else 'adam'])}")
   started = time.time()
   study = Study(args)
   try:
@@ -436,8 +535,7 @@ def main(argv=None) -> int:
     study.close()
   text, summary = report(study, result)
   print(text)
-  out = args.out or str(ROOT / "docs" / "results" /
-                        f"delay_robust_{args.part}{'_' + variant if variant else ''}.json")
+  out = args.out
   if not args.report:
     with open(out, "w") as f:
       json.dump({"part": args.part, "args": {k: v for k, v in vars(args).items()},
