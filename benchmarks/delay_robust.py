@@ -350,7 +350,8 @@ class Study:
     # 2b. the optimiser's settings (--settings) on top of each finalist cell's choice, BP
     # included, one at a time; kept only where the held-out score improves.
     if a.settings:
-      cells = [(o, s) for (o, s) in chosen if o in finalists and s in a.schedules]
+      cells = [(o, s) for (o, s) in chosen if o in finalists and s in a.schedules
+               and (not a.settings_for or o in a.settings_for)]
       def with_setting(remedy, setting):
         return setting if remedy is None else f"{remedy}{JOIN}{setting}"
       self.run([(o, s, chosen[(o, s)][0], with_setting(chosen[(o, s)][1], st), 0)
@@ -491,6 +492,8 @@ def make_parser() -> argparse.ArgumentParser:
   parser.add_argument("--settings", nargs="+", default=[],
                       help="optimiser settings tried at every finalist cell, BP included "
                            "(names of SETTINGS, e.g. 'b1 0.98' 'warmup 1'; default: none)")
+  parser.add_argument("--settings_for", nargs="+", default=[],
+                      help="prune: finalists whose cells try --settings (default: every one)")
   parser.add_argument("--extend", type=int, default=2,
                       help="steps (x2 or /2) the lr grid may grow past an edge where a cell's "
                            "best multiplier sits (0: the grid as given)")

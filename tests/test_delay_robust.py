@@ -127,3 +127,11 @@ def test_the_study_json_carries_its_records_to_a_new_study(tmp_path):
   again = _study(tmp_path)  # a new workdir would do: the records come from the JSON
   assert again.run([("muon", "BP", 1.0, None, 0)], True)[0] == saved["runs"][0]
   assert again.new == []
+
+
+def test_settings_for_prunes_the_settings_to_some_finalists(tmp_path):
+  study = _study(tmp_path, "--settings", "b1 0.98", "--settings_for", "basis_rotation")
+  chosen = study.protocol()["chosen"]
+  assert chosen[("basis_rotation", "FDG K=4")][1] == "error_feedback 0.5 & b1 0.98"
+  assert chosen[("muon", "FDG K=4")][1] == "error_feedback 0.5"
+  assert not [n for n in study.new if n.startswith("val_muon") and "b1" in n]
