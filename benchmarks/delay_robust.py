@@ -24,8 +24,9 @@ never on the split reported):
   2. the K=8 finalists (the --finalists optimisers with the best validation score at FDG K=8,
      plus AdamW as the reference when screened): DDG K=4, FDG K=4 and DDG K=8 over the same lr grid; then
      each remedy of REMEDIES at FDG K=4 and K=8 (and DDG K=8) at that cell's chosen lr;
-  2b. (--settings) each optimiser setting of SETTINGS (b1, warm-up) on top of every finalist
-     cell's choice, BP included; kept where the held-out score improves;
+  2b. (--settings) the optimiser settings of SETTINGS (b1, warm-up, a per-stage warm-up) on top
+     of every finalist cell's choice, BP included, by forward selection: each round adds the
+     setting that most improves the held-out score, until none does;
   3. test: every cell's chosen setting with each seed of --seeds, on the test split (gpt: the
      corpus's validation files; images: the test split).
 Wherever a cell's best lr multiplier sits at the grid's edge, the grid grows past it (x2 or /2,
@@ -99,12 +100,17 @@ REMEDIES = {
         "dc adaptive": {"staleness": "dc", "dc_adaptive": True},
     },
 }
-# Optimiser settings tried at every cell of the finalists, BP included (--settings), each on
-# top of the cell's chosen lr and remedy. "b1" is the first moment's decay (for muon: its
-# momentum `beta` and its Adam part's `adam_b1`); "warmup" the warm-up's length in epochs.
+# Optimiser settings tried at every cell of the finalists, BP included (--settings), on top of
+# the cell's chosen lr and remedy, by forward selection. "b1" is the first moment's decay (for
+# muon: its momentum `beta` and its Adam part's `adam_b1`); "warmup" the warm-up's length in
+# epochs. A setting with a "staleness" field joins the cell's remedy ("a+b") and is not tried
+# under BP, where it would change nothing.
 SETTINGS = {
     "adam": {"b1 0.95": {"b1": 0.95}, "b1 0.98": {"b1": 0.98}, "b1 0.99": {"b1": 0.99},
-             "warmup 1": {"warmup_epochs": 1.0}},
+             "warmup 1": {"warmup_epochs": 1.0}, "warmup 2": {"warmup_epochs": 2.0},
+             # PipeMare's rate rule as a per-stage warm-up: stage k starts at lr / d_k and
+             # reaches the base rate after one epoch (on top of the cell's remedy)
+             "lr_by_delay ramp 1": {"staleness": "lr_by_delay", "staleness_ramp_epochs": 1.0}},
     "sgd": {"warmup 1": {"warmup_epochs": 1.0}},
 }
 JOIN = " & "  # a cell's "remedy" slot: remedy and/or setting, joined
@@ -236,6 +242,8 @@ class Study:
           f["optimizer_kwargs"] = {**f.get("optimizer_kwargs", {}), "beta": value,
                                    "adam_b1": value}
           continue
+        if key == "staleness" and f.get("staleness", "none") != "none":
+          value = f"{f['staleness']}+{value}"  # a combination of the remedies
         f[key] = value
     f["staleness_ramp_epochs"] = f.get("staleness_ramp_epochs", -1.0)
     return f
@@ -348,20 +356,37 @@ class Study:
           (self.score(row), -1 - i, (lr, r)) for i, (row, r) in enumerate(zip(rows, remedies))]
       chosen[(o, s)] = max(options)[2]
     # 2b. the optimiser's settings (--settings) on top of each finalist cell's choice, BP
-    # included, one at a time; kept only where the held-out score improves.
+    # included: forward selection, each round adding the setting that most improves the
+    # held-out score (none: the cell is done); settings setting the same field do not stack.
     if a.settings:
       cells = [(o, s) for (o, s) in chosen if o in finalists and s in a.schedules
                and (not a.settings_for or o in a.settings_for)]
-      def with_setting(remedy, setting):
+      spec = SETTINGS[self.family]
+
+      def candidates(schedule, remedy):
+        have = [p for p in (remedy.split(JOIN) if remedy else ()) if p in spec]
+        taken = {k for p in have for k in spec[p] if k != "staleness"}
+        return [st for st in a.settings if st not in have
+                and not (set(spec[st]) - {"staleness"}) & taken
+                and not ("staleness" in spec[st] and schedule == "BP")]
+
+      def plus(remedy, setting):
         return setting if remedy is None else f"{remedy}{JOIN}{setting}"
-      self.run([(o, s, chosen[(o, s)][0], with_setting(chosen[(o, s)][1], st), 0)
-                for (o, s) in cells for st in a.settings], True)
-      for o, s in cells:
-        lr, remedy = chosen[(o, s)]
-        options = [(lr, remedy)] + [(lr, with_setting(remedy, st)) for st in a.settings]
-        rows = self.run([(o, s, m, r, 0) for m, r in options], True)
-        chosen[(o, s)] = max((self.score(row), -i, opt)
-                             for i, (row, opt) in enumerate(zip(rows, options)))[2]
+      active = list(cells)
+      while active:
+        self.run([(o, s, chosen[(o, s)][0], plus(chosen[(o, s)][1], st), 0)
+                  for (o, s) in active for st in candidates(s, chosen[(o, s)][1])], True)
+        improved = []
+        for o, s in active:
+          lr, remedy = chosen[(o, s)]
+          options = [(lr, remedy)] + [(lr, plus(remedy, st)) for st in candidates(s, remedy)]
+          rows = self.run([(o, s, m, r, 0) for m, r in options], True)
+          best = max((self.score(row), -i, opt)
+                     for i, (row, opt) in enumerate(zip(rows, options)))[2]
+          if best != (lr, remedy):
+            chosen[(o, s)] = best
+            improved.append((o, s))
+        active = improved
     # 3. test every chosen setting with every seed: one batch, seed by seed (a stopped study
     # has whole seeds done rather than whole cells).
     cells = {(o, s): c for (o, s), c in chosen.items()
@@ -490,8 +515,9 @@ def make_parser() -> argparse.ArgumentParser:
                            "others are tested at BP and FDG K=8, their other cells reported "
                            "on the held-out split only")
   parser.add_argument("--settings", nargs="+", default=[],
-                      help="optimiser settings tried at every finalist cell, BP included "
-                           "(names of SETTINGS, e.g. 'b1 0.98' 'warmup 1'; default: none)")
+                      help="optimiser settings tried at every finalist cell, BP included, by "
+                           "forward selection (names of SETTINGS, e.g. 'b1 0.98' 'warmup 1'; "
+                           "default: none)")
   parser.add_argument("--settings_for", nargs="+", default=[],
                       help="prune: finalists whose cells try --settings (default: every one)")
   parser.add_argument("--extend", type=int, default=2,

@@ -30,7 +30,9 @@ OPTIMUM = {("muon", "BP"): 0.4, ("muon", "FDG K=8"): -4.0, ("muon", "FDG K=4"): 
            ("basis_rotation", "FDG K=4"): 1.0}
 GAIN = {"error_feedback 0.5": {"FDG K=4": 0.2, "FDG K=8": 0.3},
         "b1 0.98": {"FDG K=4": 0.05, "FDG K=8": 0.05, "BP": -0.1},
-        "warmup 1": {"BP": 0.01, "FDG K=4": -0.3, "FDG K=8": -0.3}}
+        "warmup 1": {"BP": 0.01, "FDG K=4": -0.3, "FDG K=8": -0.3},
+        "warmup 2": {"BP": -0.2, "FDG K=4": 0.1, "FDG K=8": 0.1},
+        "lr_by_delay ramp 1": {"FDG K=4": 0.04, "FDG K=8": -0.01}}
 
 
 def fake_loss(optimizer, schedule, lr_mult, remedy):
@@ -135,3 +137,23 @@ def test_settings_for_prunes_the_settings_to_some_finalists(tmp_path):
   assert chosen[("basis_rotation", "FDG K=4")][1] == "error_feedback 0.5 & b1 0.98"
   assert chosen[("muon", "FDG K=4")][1] == "error_feedback 0.5"
   assert not [n for n in study.new if n.startswith("val_muon") and "b1" in n]
+
+
+def test_settings_stack_by_forward_selection(tmp_path):
+  study = _study(tmp_path, "--settings", "warmup 1", "warmup 2", "lr_by_delay ramp 1",
+                 "--settings_for", "basis_rotation")
+  chosen = study.protocol()["chosen"]
+  assert chosen[("basis_rotation", "BP")][1] == "warmup 1"
+  # round 1 takes warmup 2 (the largest gain); round 2 adds lr_by_delay where it helps
+  assert chosen[("basis_rotation", "FDG K=4")][1] == (
+      "error_feedback 0.5 & warmup 2 & lr_by_delay ramp 1")
+  assert chosen[("basis_rotation", "FDG K=8")][1] == "error_feedback 0.5 & warmup 2"
+  # two warm-ups never stack, and a delay-only setting is not tried under BP
+  assert not [n for n in study.new if "warmup_1" in n and "warmup_2" in n]
+  assert not [n for n in study.new if "_bp_" in n and "lr_by_delay" in n]
+  # the per-stage warm-up joins the cell's remedy
+  f = study.fields("basis_rotation", "FDG K=4", 2.0,
+                   "error_feedback 0.5 & warmup 2 & lr_by_delay ramp 1", 0)
+  assert f["staleness"] == "error_feedback+lr_by_delay"
+  assert f["staleness_strength"] == 0.5 and f["staleness_ramp_epochs"] == 1.0
+  assert f["warmup_epochs"] == 2.0
