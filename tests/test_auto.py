@@ -24,13 +24,13 @@ def test_recommendations_by_family_and_schedule():
     assert fields.get("optimizer") == staleness.recommend("adamw", "fdg")[0].get("optimizer")
 
 
-def test_adaptive_optimisers_get_the_vit_study_choice():
+def test_adaptive_optimisers_get_the_studies_choice():
   assert staleness.recommend("adamw", "fdg") == (
       {"optimizer": "basis_rotation", "staleness": "error_feedback", "staleness_strength": 0.5},
       "staleness=auto: error_feedback, staleness_strength 0.5; optimizer adamw -> "
       "basis_rotation (the study's choice for adaptive optimisers)")
-  assert staleness.recommend("adam", "ddg")[0] == {"optimizer": "basis_rotation",
-                                                   "staleness": "none"}
+  assert staleness.recommend("adam", "ddg")[0] == {
+      "optimizer": "basis_rotation", "staleness": "error_feedback", "staleness_strength": 0.5}
   assert staleness.recommend("muon", "bp")[0] == {"optimizer": "basis_rotation",
                                                   "staleness": "none"}
   # already the recommended optimiser: only the remedy
