@@ -2,7 +2,7 @@
 
     python benchmarks/delay_robust.py --part vit          # ~1 h on 2 CPU cores
     python benchmarks/delay_robust.py --part gpt          # one epoch of 1 MB: ~1.5 h, pruned
-    python benchmarks/delay_robust.py --part gpt --gpt_epochs 3 ...  # the study's GPT: ~10 h
+    python benchmarks/delay_robust.py --part gpt --gpt_epochs 3 ...  # the GPT study: ~5.5 h
     python benchmarks/delay_robust.py --part mlp          # ~1 h
     python benchmarks/delay_robust.py --part vit --report  # tables from the saved runs only
 
