@@ -109,6 +109,8 @@ REMEDIES = {
 SETTINGS = {
     "adam": {"b1 0.95": {"b1": 0.95}, "b1 0.98": {"b1": 0.98}, "b1 0.99": {"b1": 0.99},
              "warmup 1": {"warmup_epochs": 1.0}, "warmup 2": {"warmup_epochs": 2.0},
+             # the ViT's 15 epochs: a third and two thirds of the run, as 1 and 2 of the GPT's 3
+             "warmup 5": {"warmup_epochs": 5.0}, "warmup 10": {"warmup_epochs": 10.0},
              # PipeMare's rate rule as a per-stage warm-up: stage k starts at lr / d_k and
              # reaches the base rate after one epoch (on top of the cell's remedy)
              "lr_by_delay ramp 1": {"staleness": "lr_by_delay", "staleness_ramp_epochs": 1.0}},
