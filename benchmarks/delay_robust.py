@@ -376,17 +376,18 @@ class Study:
       def plus(remedy, setting):
         return setting if remedy is None else f"{remedy}{JOIN}{setting}"
       active = list(cells)
-      while active:
-        self.run([(o, s, chosen[(o, s)][0], plus(chosen[(o, s)][1], st), 0)
-                  for (o, s) in active for st in candidates(s, chosen[(o, s)][1])], True)
-        improved = []
+      while active:  # one batch per round: every active cell's choice and its candidates
+        options = {}
         for o, s in active:
           lr, remedy = chosen[(o, s)]
-          options = [(lr, remedy)] + [(lr, plus(remedy, st)) for st in candidates(s, remedy)]
-          rows = self.run([(o, s, m, r, 0) for m, r in options], True)
-          best = max((self.score(row), -i, opt)
-                     for i, (row, opt) in enumerate(zip(rows, options)))[2]
-          if best != (lr, remedy):
+          options[(o, s)] = [(lr, remedy)] + [(lr, plus(remedy, st))
+                                              for st in candidates(s, remedy)]
+        rows = iter(self.run([(o, s, m, r, 0) for (o, s), opts in options.items()
+                              for m, r in opts], True))
+        improved = []
+        for (o, s), opts in options.items():
+          best = max((self.score(next(rows)), -i, opt) for i, opt in enumerate(opts))[2]
+          if best != opts[0]:
             chosen[(o, s)] = best
             improved.append((o, s))
         active = improved

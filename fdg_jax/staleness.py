@@ -592,9 +592,9 @@ def recommend(optimizer: str, algorithm: str, *, momentum: float = 0.0,
     return dict(AUTO_SGD), ("staleness=auto: " + "+".join(AUTO_SGD["staleness"].split("+"))
                             + " (the study's choice for heavy-ball SGD under DDG and FDG)")
   if no_delay:  # the same optimiser as the delayed schedules, no delay correction
-    fields = {"optimizer": AUTO_ADAM["fdg"]["optimizer"], "staleness": "none"}
+    fields = {"optimizer": AUTO_ADAM["optimizer"], "staleness": "none"}
   else:
-    fields = dict(AUTO_ADAM.get(algorithm, AUTO_ADAM["fdg"]))
+    fields = dict(AUTO_ADAM)
   change = fields.get("optimizer")
   line = "staleness=auto: " + fields["staleness"] + "".join(
       f", {k} {v}" for k, v in fields.items() if k not in ("staleness", "optimizer"))
@@ -610,9 +610,9 @@ AUTO_SGD = {"staleness": "spike_compensation+weight_prediction"}
 # every schedule of both, BP included; error_feedback 0.5 was chosen at FDG K = 4 and 8 on the
 # ViT and (strength 0.5 or 1, within 1% of each other) on the GPT, and at DDG K = 4 on the GPT
 # for both finalists (held-out perplexity 4.09 -> 3.88 with rotated Adam).
-_AUTO_DELAYED = {"optimizer": "basis_rotation", "staleness": "error_feedback",
-                 "staleness_strength": 0.5}
-AUTO_ADAM = {"fdg": _AUTO_DELAYED, "ddg": _AUTO_DELAYED}
+# One setting for every delayed schedule (DDG and FDG).
+AUTO_ADAM = {"optimizer": "basis_rotation", "staleness": "error_feedback",
+             "staleness_strength": 0.5}
 
 
 def parse_methods(method: str) -> tuple[str, ...]:
