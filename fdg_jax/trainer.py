@@ -194,18 +194,41 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
 
 
 def resolve_auto(config):
-  """`config` with `staleness="auto"` replaced by the study's recommendation for its
-  optimiser and schedule (`staleness.recommend`), said in one line; else `config` itself."""
+  """`config` with `staleness="auto"` replaced by the study's choice for its optimiser,
+  schedule, K and momentum (`staleness.recommend`: nothing outside what the study covered),
+  said in one line; else `config` itself. Where the optimiser is switched (the Adam family to
+  rotated Adam), the line gives both optimisers' state for the config's model, built with
+  `jax.eval_shape` (nothing allocated)."""
   if config.get("staleness", "none") != "auto":
     return config
-  fields, line = staleness.recommend(config.optimizer, config.algorithm,
-                                     momentum=config.momentum, nesterov=config.nesterov)
-  config = config.copy_and_resolve_references()
+  fields, line = staleness.recommend(
+      config.optimizer, config.algorithm, num_stages=config.num_stages,
+      momentum=config.momentum, nesterov=config.nesterov, beta=config.beta,
+      backward=config.backward, hparams=tuple(optimizer_hparams(config)))
+  resolved = config.copy_and_resolve_references()
   for key, value in fields.items():
-    config[key] = value
+    resolved[key] = value
+
+  def state_bytes(c, params) -> int:
+    tx = make_optimizer(c.optimizer, c.learning_rate, momentum=c.momentum, nesterov=c.nesterov,
+                        weight_decay=c.weight_decay, peak_learning_rate=c.learning_rate,
+                        **optimizer_hparams(c))
+    return staleness.tree_bytes(jax.eval_shape(tx.init, params))
+
   if jax.process_index() == 0:
+    if resolved.optimizer != config.optimizer:
+      validate_fields(resolved)  # the one-line errors setup would give, before sizing
+      model = create_model(resolved)
+      shape, dtype = (((config.seq_len,), jnp.int32) if config.dataset == TEXT_DATASET else
+                      (tuple(data_lib.get_spec(config.dataset).image_shape), jnp.float32))
+      whole = partition.stages_from_boundaries(model, [])[0]  # every stage's params at once
+      params, _ = jax.eval_shape(lambda x: whole.init(jax.random.PRNGKey(0), x),
+                                 jax.ShapeDtypeStruct((1, *shape), dtype))
+      line += "; " + staleness.state_memory(
+          config.optimizer, state_bytes(config, params), resolved.optimizer,
+          state_bytes(resolved, params), staleness.tree_bytes(params))
     _log(line)
-  return config
+  return resolved
 
 
 def _data(config, feeding: dict):
