@@ -34,8 +34,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model_kwargs = ml_collections.ConfigDict({"widths": (128, 128, 128, 128)})  # the model's
                                # arguments, replaced whole: '{"widths": (64, 64)}'
   c.dataset = "digits"         # digits (embedded) | mnist | fashion_mnist | cifar10 | cifar100
-                               # | svhn_cropped | stl10 | imagenet2012 (TFDS) | stdlib_text
-  c.data_dir = ""              # TFDS data_dir ("" = TFDS default)
+                               # | svhn_cropped | stl10 | imagenet2012 (TFDS) | stdlib_text;
+                               # fashion_mnist also from its IDX files (Debian's package
+                               # dataset-fashion-mnist, or in data_dir)
+  c.data_dir = ""              # TFDS data_dir ("" = TFDS default), or a folder holding
+                               # fashion_mnist's original IDX .gz files
   c.data_workers = 0           # processes decoding/augmenting training batches (ImageNet);
                                # 0: in this process. Batches are the same for any value.
   # Optimisation.

@@ -7,18 +7,21 @@
 
 Datasets (``list_datasets()``): ``digits`` (scikit-learn, offline) and the TFDS datasets
 ``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``, ``svhn_cropped``, ``stl10``,
-``imagenet2012``, read with ``tfds.data_source`` (ArrayRecord). Nothing is downloaded: a
-dataset missing from ``data_dir`` raises ``DatasetNotFoundError``. Constants live in
+``imagenet2012``, read with ``tfds.data_source`` (ArrayRecord). ``fashion_mnist`` is also
+read from its original IDX files, offline: those in ``data_dir``, else TFDS's copy, else
+Debian's ``apt-get install dataset-fashion-mnist``. Nothing is downloaded: a dataset
+missing from ``data_dir`` raises ``DatasetNotFoundError``. Constants live in
 ``fdg_jax.data.registry``. ``python -m fdg_jax.data --dataset NAME`` prints dataset info.
 """
 
 from fdg_jax.data.iterator import BatchIterator, epoch_permutation
 from fdg_jax.data.registry import REGISTRY, DatasetSpec, get_spec, list_datasets
-from fdg_jax.data.sources import (ArrayDataset, Dataset, DatasetNotFoundError, TfdsDataset,
-                                  from_arrays, load, open_tfds_source, resolve_data_dir)
+from fdg_jax.data.sources import (ArrayDataset, Dataset, DatasetFileError, DatasetNotFoundError,
+                                  TfdsDataset, from_arrays, load, load_idx, open_tfds_source,
+                                  resolve_data_dir)
 
 __all__ = [
-    "ArrayDataset", "BatchIterator", "Dataset", "DatasetNotFoundError", "DatasetSpec",
-    "REGISTRY", "TfdsDataset", "epoch_permutation", "from_arrays", "get_spec",
-    "list_datasets", "load", "open_tfds_source", "resolve_data_dir",
+    "ArrayDataset", "BatchIterator", "Dataset", "DatasetFileError", "DatasetNotFoundError",
+    "DatasetSpec", "REGISTRY", "TfdsDataset", "epoch_permutation", "from_arrays", "get_spec",
+    "list_datasets", "load", "load_idx", "open_tfds_source", "resolve_data_dir",
 ]

@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
   from fdg_jax.data import registry  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m fdg_jax.data", description=__doc__)
   parser.add_argument("--dataset", required=True, choices=registry.list_datasets())
-  parser.add_argument("--data_dir", default=None, help="TFDS data directory")
+  parser.add_argument("--data_dir", default=None,
+                      help="TFDS data directory (fashion_mnist: or a folder of its IDX files)")
   args = parser.parse_args(argv)
   # TFDS logs warnings (e.g. a missing dataset_info.json) through absl; keep stderr clean.
   logging.getLogger("absl").setLevel(logging.ERROR)
@@ -28,13 +29,16 @@ def main(argv: list[str] | None = None) -> int:
   from fdg_jax.data import sources  # pylint: disable=g-import-not-at-top
   spec = registry.get_spec(args.dataset)
   try:
-    sizes = {s: sources.load(spec.name, s, args.data_dir, cache=False).num_examples
-             for s in spec.splits}
+    loaded = {s: sources.load(spec.name, s, args.data_dir, cache=False) for s in spec.splits}
   except sources.DatasetNotFoundError as err:
     print(err, file=sys.stderr)
     return 1
-  print(f"dataset:      {spec.name} ({spec.source})")
-  if spec.source == "tfds":
+  sizes = {s: ds.num_examples for s, ds in loaded.items()}
+  origins = {ds.origin for ds in loaded.values()} - {None}
+  print(f"dataset:      {spec.name} ({'idx' if origins else spec.source})")
+  if origins:
+    print(f"files:        {', '.join(sorted(origins))}")
+  elif spec.source == "tfds":
     print(f"data_dir:     {sources.resolve_data_dir(args.data_dir)}")
   for split, n in sizes.items():
     print(f"{split + ':':<13} {n} examples (source split '{spec.source_split(split)}')")

@@ -30,6 +30,28 @@ AUGMENTATIONS = ("none", "crop_flip", "crop", "imagenet")
 
 
 @dataclasses.dataclass(frozen=True)
+class IdxFiles:
+  """The original gzip'd IDX files of a dataset, read without TFDS (``sources.load``).
+
+  Attributes:
+    files: canonical split (``"train"``/``"test"``) -> ``(images file, labels file)``.
+    sha256: file name -> hex sha256 of the original ``.gz`` file. Every file read under one
+      of these names is checked (the originals are byte-identical everywhere).
+    system_dir: where the system package installs them.
+    package: the Debian package that installs them (``apt-get install PACKAGE``).
+  """
+
+  files: Mapping[str, tuple[str, str]]
+  sha256: Mapping[str, str]
+  system_dir: str
+  package: str
+
+  def names(self) -> list[str]:
+    """All file names, in split order (images, labels)."""
+    return [n for pair in self.files.values() for n in pair]
+
+
+@dataclasses.dataclass(frozen=True)
 class DatasetSpec:
   """Static description of one dataset (see the module docstring).
 
@@ -49,6 +71,8 @@ class DatasetSpec:
       memory once (fixed-size datasets) or read and decode per batch.
     fixed_size: whether all stored images have shape ``image_shape``
       (False for ImageNet, whose images have variable sizes).
+    idx: the dataset's original IDX files, read in place of TFDS where present
+      (Fashion-MNIST), else None.
   """
 
   name: str
@@ -63,6 +87,7 @@ class DatasetSpec:
   pixel_max: float = 255.0
   cache: bool = True
   fixed_size: bool = True
+  idx: IdxFiles | None = None
 
   def source_split(self, split: str) -> str:
     """Maps ``"train"``/``"test"`` to the source split name; other split
@@ -78,6 +103,24 @@ _TT = {"train": "train", "test": "test"}
 DIGITS_MEAN = 0.3055308639961726
 DIGITS_STD = 0.3761129517283859
 
+# Fashion-MNIST's original files (Zalando Research), as Debian's dataset-fashion-mnist
+# installs them (60,000 train / 10,000 test 28x28 uint8 images, labels 0..9).
+FASHION_MNIST_IDX = IdxFiles(
+    files={"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+           "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")},
+    sha256={
+        "train-images-idx3-ubyte.gz":
+            "b0564c3eedabfbf835052cff8503ea422014ce006caf5b757f851416ee8300c7",
+        "train-labels-idx1-ubyte.gz":
+            "0ae29f65d86684f32d1b9c85147786c547b9c6aebcaf235f0400a0cce308b056",
+        "t10k-images-idx3-ubyte.gz":
+            "cc1d090a38ace84dfa1aa66e3ada7c336ef481a96936906477e6dd344da56eaa",
+        "t10k-labels-idx1-ubyte.gz":
+            "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",
+    },
+    system_dir="/usr/share/datasets/fashion-mnist",
+    package="dataset-fashion-mnist")
+
 REGISTRY: dict[str, DatasetSpec] = {
     s.name: s
     for s in [
@@ -92,7 +135,7 @@ REGISTRY: dict[str, DatasetSpec] = {
         DatasetSpec(
             name="fashion_mnist", source="tfds", num_classes=10,
             image_shape=(28, 28, 1), mean=(0.2860,), std=(0.3530,),
-            splits=_TT, augmentation="none"),
+            splits=_TT, augmentation="none", idx=FASHION_MNIST_IDX),
         DatasetSpec(
             name="cifar10", source="tfds", num_classes=10,
             image_shape=(32, 32, 3), mean=(0.4914, 0.4822, 0.4465),

@@ -8,6 +8,11 @@ job of ``BatchIterator``.
 TFDS datasets are opened with ``tfds.data_source`` (ArrayRecord random access,
 no TensorFlow import) and ``download=False``: nothing is ever downloaded. A
 dataset that is not prepared in ``data_dir`` raises ``DatasetNotFoundError``.
+
+A dataset with original IDX files in the registry (Fashion-MNIST) is read from them
+(``load_idx``), looked for in this order: ``data_dir`` (or its ``<name>`` subfolder) holding
+them, TFDS's prepared copy in ``data_dir``, the system package's folder
+(``/usr/share/datasets/fashion-mnist``, from ``apt-get install dataset-fashion-mnist``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fdg_jax.data import idx
 from fdg_jax.data.registry import DatasetSpec, get_spec
 
 # Fixed split of the sklearn digits (1,797 images): 360 test examples,
@@ -28,24 +34,44 @@ DIGITS_SPLIT_SEED = 0
 
 
 class DatasetNotFoundError(RuntimeError):
-  """A TFDS dataset is not prepared (in a random-access format) in data_dir.
+  """A dataset is not available: not prepared (in a random-access format) in data_dir, and,
+  for a dataset with IDX files (Fashion-MNIST), not installed either.
 
   ``str(err)`` is a single line naming the dataset, the directory searched and
-  how to prepare it. Attributes: ``name``, ``data_dir``.
+  how to prepare it. Attributes: ``name``, ``data_dir``, ``wrong_format`` (prepared, but not
+  as ArrayRecord).
   """
 
-  def __init__(self, name: str, data_dir: str, *, wrong_format: bool = False):
+  def __init__(self, name: str, data_dir: str, *, wrong_format: bool = False,
+               message: str | None = None):
     self.name = name
     self.data_dir = data_dir
-    if wrong_format:
-      what = (f"Dataset '{name}' is prepared in {data_dir} but not in the random-access "
-              "ArrayRecord format needed to read it without TensorFlow.")
-    else:
-      what = f"Dataset '{name}' is not prepared in {data_dir} (no download is attempted)."
-    super().__init__(
-        f"{what} Prepare it on a connected machine with `tfds build {name} "
-        f"--data_dir={data_dir} --file_format=array_record` (or copy an already prepared "
-        f"'{name}' folder into {data_dir}), then pass --config.data_dir={data_dir}.")
+    self.wrong_format = wrong_format
+    if message is None:
+      if wrong_format:
+        what = (f"Dataset '{name}' is prepared in {data_dir} but not in the random-access "
+                "ArrayRecord format needed to read it without TensorFlow.")
+      else:
+        what = f"Dataset '{name}' is not prepared in {data_dir} (no download is attempted)."
+      message = (f"{what} Prepare it on a connected machine with `tfds build {name} "
+                 f"--data_dir={data_dir} --file_format=array_record` (or copy an already "
+                 f"prepared '{name}' folder into {data_dir}), then pass "
+                 f"--config.data_dir={data_dir}.")
+    super().__init__(message)
+
+
+class DatasetFileError(DatasetNotFoundError):
+  """A dataset's file is there but unusable: not gzip or IDX, truncated, a sha256 other than
+  the original's, or only half of a split's pair of files.
+
+  A ``DatasetNotFoundError``, so that whatever handles a missing dataset handles it too;
+  ``str(err)`` is one line naming the file and the fix. Attributes: ``name``, ``data_dir``
+  (the file's folder), ``path``.
+  """
+
+  def __init__(self, name: str, path: str, message: str):
+    self.path = path
+    super().__init__(name, os.path.dirname(path), message=message)
 
 
 class Dataset:
@@ -58,7 +84,10 @@ class Dataset:
     num_examples: number of examples.
     num_classes: number of classes.
     image_shape: ``(H, W, C)`` of the images a ``BatchIterator`` yields.
+    origin: the folder of the IDX files the examples were read from, else None.
   """
+
+  origin: str | None = None
 
   def __init__(self, spec: DatasetSpec, split: str, num_examples: int):
     self.spec = spec
@@ -261,30 +290,136 @@ def load(name: str, split: str = "train", data_dir: str | os.PathLike | None = N
       ``cifar10``, ``cifar100``, ``svhn_cropped``, ``stl10``, ``imagenet2012``.
     split: ``"train"`` or ``"test"`` (``"test"`` is ImageNet's ``validation``); any other
       TFDS split string (``"extra"``, ``"train[:10%]"``) is passed through to TFDS.
-    data_dir: TFDS data directory (default ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
-      Ignored for ``digits``.
+    data_dir: TFDS data directory (default ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``),
+      or, for ``fashion_mnist``, a folder holding its original IDX files. Ignored for
+      ``digits``.
     cache: decode the whole split into memory now (True) or read/decode per batch (False).
-      None: the registry default (True except ImageNet).
+      None: the registry default (True except ImageNet). IDX files are always read whole.
+
+  ``fashion_mnist``'s ``"train"`` and ``"test"`` come from its original IDX files where
+  there are some: in ``data_dir`` (or ``data_dir/fashion_mnist``), else TFDS's prepared copy
+  in ``data_dir``, else the folder of Debian's ``dataset-fashion-mnist`` package. Every IDX
+  file is checked against the original's sha256.
 
   Returns:
     A ``Dataset`` with ``num_examples``, ``num_classes``, ``image_shape``, ``read``.
 
   Raises:
-    DatasetNotFoundError: a TFDS dataset not prepared in ``data_dir``. Nothing is downloaded.
+    DatasetNotFoundError: a TFDS dataset not prepared in ``data_dir`` (for
+      ``fashion_mnist``: nor installed). Nothing is downloaded. Its subclass
+      ``DatasetFileError``: an IDX file that is corrupt, truncated or not the original.
     ValueError: unknown name or split.
   """
   spec = get_spec(name)
   if spec.source == "sklearn":
     images, labels = load_digits_arrays(spec.source_split(split))
     return ArrayDataset(images, labels, spec, split)
-  source = open_tfds_source(name, spec.source_split(split), data_dir)
+  if spec.idx is not None and split in spec.idx.files:
+    return _load_idx_or_tfds(spec, split, data_dir, cache)
+  return _load_tfds(spec, split, data_dir, cache)
+
+
+def _load_tfds(spec: DatasetSpec, split: str, data_dir, cache: bool | None) -> Dataset:
+  source = open_tfds_source(spec.name, spec.source_split(split), data_dir)
   ds = TfdsDataset(spec, split, source)
   if spec.cache if cache is None else cache:
     if not spec.fixed_size:
-      raise ValueError(f"{name} has variable-size images and cannot be cached in memory")
+      raise ValueError(f"{spec.name} has variable-size images and cannot be cached in memory")
     images, labels = _read_all(ds)
     return ArrayDataset(images, labels, spec, split)
   return ds
+
+
+def _load_idx_or_tfds(spec: DatasetSpec, split: str, data_dir, cache: bool | None) -> Dataset:
+  """IDX files in data_dir, else TFDS's copy in data_dir, else the system package's files."""
+  user_dirs = []
+  if data_dir is not None and "://" not in os.fspath(data_dir):
+    root = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
+    user_dirs = [root, os.path.join(root, spec.name)]
+  folder = find_idx_dir(spec, user_dirs)
+  if folder is not None:
+    return load_idx(spec, split, folder)
+  try:
+    return _load_tfds(spec, split, data_dir, cache)
+  except (DatasetNotFoundError, ImportError) as err:
+    tfds_error = err
+  folder = find_idx_dir(spec, [spec.idx.system_dir])
+  if folder is not None:
+    return load_idx(spec, split, folder)
+  raise DatasetNotFoundError(spec.name, resolve_data_dir(data_dir), message=_idx_missing(
+      spec, resolve_data_dir(data_dir), user_dirs, tfds_error)) from None
+
+
+def _idx_missing(spec: DatasetSpec, where: str, user_dirs: list[str], tfds_error) -> str:
+  """The one-line message when neither IDX files nor a TFDS copy are there."""
+  files = spec.idx.names()
+  install = f"`apt-get install {spec.idx.package}`"
+  if getattr(tfds_error, "wrong_format", False):
+    return (f"{tfds_error} Or install its original IDX files with {install} (into "
+            f"{spec.idx.system_dir}).")
+  folders = " or ".join(user_dirs + [spec.idx.system_dir])
+  return (f"Dataset '{spec.name}' was not found: no IDX files in {folders}, no TFDS copy "
+          f"prepared in {where} (no download is attempted). "
+          f"Install it with {install}, or pass --config.data_dir=DIR with DIR holding its "
+          f"original IDX files ({', '.join(files)}) or a TFDS copy (`tfds build {spec.name} "
+          f"--data_dir=DIR --file_format=array_record` on a connected machine).")
+
+
+def find_idx_dir(spec: DatasetSpec, folders: Sequence[str]) -> str | None:
+  """The first of ``folders`` holding any of ``spec``'s IDX files (by name), else None."""
+  for folder in folders:
+    if any(os.path.isfile(os.path.join(folder, n)) for n in spec.idx.names()):
+      return folder
+  return None
+
+
+def load_idx(spec: DatasetSpec, split: str, folder: str | os.PathLike) -> ArrayDataset:
+  """Reads ``split`` (``"train"``/``"test"``) of ``spec``'s original IDX files in ``folder``.
+
+  Each file named in ``spec.idx.sha256`` is checked against it; the images must be uint8
+  ``[N, H, W, C]`` of the spec's image shape (``[N, H, W]`` when C = 1), the labels uint8 ``[N]``
+  in ``[0, num_classes)``. Raises ``DatasetFileError`` (one line) otherwise or when a file
+  of the split is missing from ``folder``.
+  """
+  folder = os.fspath(folder)
+  if split not in spec.idx.files:
+    raise ValueError(f"{spec.name}'s IDX files have splits {', '.join(spec.idx.files)}, "
+                     f"not {split!r}")
+  paths = [os.path.join(folder, n) for n in spec.idx.files[split]]
+  for path in paths:
+    if not os.path.isfile(path):
+      raise DatasetFileError(spec.name, path, (
+          f"{folder} holds some of {spec.name}'s IDX files but not {os.path.basename(path)}; "
+          f"put all of {', '.join(spec.idx.names())} there (`apt-get install "
+          f"{spec.idx.package}` installs them in {spec.idx.system_dir})"))
+  images, labels = (_read_idx_checked(spec, p) for p in paths)
+  h, w, c = spec.image_shape
+  want = (h, w) if c == 1 else (h, w, c)
+  if images.dtype != np.uint8 or tuple(images.shape[1:]) not in (want, (h, w, c)):
+    raise DatasetFileError(spec.name, paths[0], (
+        f"{paths[0]}: {images.dtype.name} images of shape {images.shape[1:]}, expected uint8 "
+        f"{want}: not {spec.name}'s images"))
+  images = images.reshape((-1, h, w, c))
+  if labels.dtype != np.uint8 or labels.ndim != 1 or labels.shape[0] != images.shape[0]:
+    raise DatasetFileError(spec.name, paths[1], (
+        f"{paths[1]}: {labels.dtype.name} labels of shape {labels.shape}, expected uint8 "
+        f"[{images.shape[0]}] (one per image of {os.path.basename(paths[0])})"))
+  if labels.size and int(labels.max()) >= spec.num_classes:
+    raise DatasetFileError(spec.name, paths[1], (
+        f"{paths[1]}: label {int(labels.max())} out of range [0, {spec.num_classes}): not "
+        f"{spec.name}'s labels"))
+  ds = ArrayDataset(images, labels, spec, split)
+  ds.origin = folder
+  return ds
+
+
+def _read_idx_checked(spec: DatasetSpec, path: str) -> np.ndarray:
+  hint = (f"replace it with the original (`apt-get install {spec.idx.package}` installs it "
+          f"in {spec.idx.system_dir}) or remove it from {os.path.dirname(path)}")
+  try:
+    return idx.read_idx(path, spec.idx.sha256.get(os.path.basename(path)), hint)
+  except idx.IdxError as err:
+    raise DatasetFileError(spec.name, path, str(err)) from None
 
 
 def from_arrays(images: np.ndarray, labels: np.ndarray, like: str | DatasetSpec = "cifar10",
