@@ -65,13 +65,35 @@ def parse_flags(argv):
     rest = flags.FLAGS(argv)
     _CONFIG.value.get("algorithm")  # loads the config file now, inside this try
     return rest
-  except (flags.Error, OSError, ValueError, TypeError, AttributeError) as e:
-    text = str(e)
+  except (flags.Error, OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+    from fdg_jax.config_check import unknown_override
+    config = _config_without_overrides(argv)
+    text = (unknown_override(config, argv) if config is not None else None) or str(e)
     if "Traceback" in text:  # get_config raised: its own message is the last line
       text = text.strip().splitlines()[-1]
     message = " ".join(text.split())  # ml_collections' messages span several lines
     print(f"config error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def _config_without_overrides(argv):
+  """The config that --config names, before its --config.* overrides (None if it does not
+  load): to name an override that fails."""
+  import importlib.util
+  path = "configs/default.py"
+  for i, arg in enumerate(argv):
+    if arg == "--config" and i + 1 < len(argv):
+      path = argv[i + 1]
+    elif arg.startswith("--config="):
+      path = arg.split("=", 1)[1]
+  file, _, variant = path.partition(":")
+  try:
+    spec = importlib.util.spec_from_file_location("_config_module", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant) if variant else module.get_config()
+  except Exception:  # noqa: BLE001  then the flag's own error is what is shown
+    return None
 
 
 if __name__ == "__main__":

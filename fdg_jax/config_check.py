@@ -34,6 +34,43 @@ def _fail(msg: str):
   raise ConfigError(msg)
 
 
+def unknown_override(config, argv) -> str | None:
+  """One line naming the first `--config.a.b=...` of `argv` that names no field of `config`
+  (and the closest field there), or None when every override names one.
+
+  ml_collections refuses such a flag with a KeyError whose text is a repr spanning lines;
+  this says the same in words. A field that holds a dict of free parameters
+  (`optimizer_kwargs`, `model_kwargs`) takes new keys only as one value, given as JSON.
+  """
+  import difflib
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config."):].split("=", 1)[0]
+    node, done = config, []
+    for part in path.split("."):
+      keys = sorted(node.keys()) if hasattr(node, "keys") else []
+      if part in keys:
+        node = node[part]
+        done.append(part)
+        continue
+      name = ".".join(done + [part])
+      if not hasattr(node, "keys"):
+        return (f"--config.{name}: --config.{'.'.join(done)} is a value, not a group of "
+                "fields")
+      close = difflib.get_close_matches(part, keys, n=1)
+      if close:
+        hint = f"; did you mean --config.{'.'.join(done + [close[0]])}?"
+      elif done and done[-1].endswith("_kwargs"):
+        parent = ".".join(done)
+        hint = (f"; {parent} takes new parameters as one JSON value, "
+                f"--config.{parent}='{{\"{part}\": ...}}'")
+      else:
+        hint = "; docs/configs.md lists every field"
+      return f"unknown config field {name!r} (in {arg}){hint}"
+  return None
+
+
 def validate_fields(config) -> None:
   """Checks every field that needs no model: ConfigError (one line) on the first problem."""
   from fdg_jax import data  # imported lazily: validation runs before heavy set-up

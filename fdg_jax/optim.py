@@ -7,6 +7,7 @@ stage k's schedule runs d_k updates behind the tick counter: a negligible lag (a
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Callable, Sequence
 
@@ -118,7 +119,10 @@ def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
   allowed = set(inspect.signature(fn).parameters) - {"learning_rate"}
   unknown = sorted(set(hparams) - allowed)
   if unknown:
-    raise ValueError(f"optimizer {name!r} has no parameter {', '.join(unknown)}; its "
+    close = [difflib.get_close_matches(u, sorted(allowed), n=1) for u in unknown]
+    hint = "".join(f"; did you mean {c[0]} instead of {u}?" for u, c in zip(unknown, close)
+                   if c)
+    raise ValueError(f"optimizer {name!r} has no parameter {', '.join(unknown)}{hint}; its "
                      f"parameters: {', '.join(sorted(allowed))}")
   kwargs = dict(hparams)
   for key, value in hparams.items():
