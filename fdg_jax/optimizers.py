@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fdg_jax.cpu_lapack import one_at_a_time_on_cpu, single_threaded_scipy_blas
+
 
 def _lr(learning_rate, count):
   return learning_rate(count) if callable(learning_rate) else learning_rate
@@ -82,7 +84,7 @@ def default_rotation_mask(params):
 
 def _eig_descending(a):
   """Eigenvectors of the symmetric matrices `a` [B, m, m], by decreasing eigenvalue."""
-  _, vecs = jnp.linalg.eigh(a)
+  vecs = one_at_a_time_on_cpu(lambda a: jnp.linalg.eigh(a)[1], a)
   return vecs[..., ::-1]
 
 
@@ -94,7 +96,7 @@ def _power_qr(stat, q, nu, axis):
   order = jnp.argsort(-est, axis=-1)
   q = jnp.take_along_axis(q, order[:, None, :], axis=2)
   nu = jnp.take_along_axis(nu, order[:, :, None] if axis == 1 else order[:, None, :], axis=axis)
-  q, _ = jnp.linalg.qr(stat @ q)
+  q = one_at_a_time_on_cpu(lambda a: jnp.linalg.qr(a)[0], stat @ q)
   return q, nu
 
 
@@ -164,6 +166,8 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
     return BasisRotationState(jnp.zeros([], jnp.int32), mu, (nu_plain, nu), left, right, ql, qr)
 
   def update_fn(updates, state, params=None):
+    if jax.default_backend() == "cpu":  # while tracing: see fdg_jax.cpu_lapack
+      single_threaded_scipy_blas()
     if weight_decay and params is None:
       raise ValueError("basis_rotation with weight_decay needs the params in update")
     count = optax.safe_int32_increment(state.count)
