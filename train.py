@@ -4,7 +4,10 @@
     python train.py --config configs/cifar10.py:model=resnet56,k=4,algorithm=fdg,beta=0.5
 
 All logic lives in `fdg_jax.trainer.train_and_evaluate`; this file parses flags and turns
-user errors into one line on stderr and a non-zero exit code.
+user errors into one line on stderr and a non-zero exit code: 2 for a config that cannot
+work, 1 for other user errors (a missing dataset, a divergence, a bad checkpoint), 3 for a
+lost peer of a multi-process run, 4 for a run that stalled (`--config.stall_timeout_s`),
+128 + N after signal N (checkpoint saved).
 """
 
 import os

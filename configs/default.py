@@ -99,6 +99,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.peer_timeout_s = 30        # several processes: a process silent (no heartbeat) this long
                                # is reported lost by the others (one line, exit code 3); a
                                # lost coordinator (process 0) is noticed at once
+  c.stall_timeout_s = 600.0    # no tick, evaluation or checkpoint completing this long: one
+                               # line saying where the run waits, the Python stacks in
+                               # <workdir>/stall_stacks.txt, exit code 4 (0: never)
+  c.stall_first_tick_s = 1800.0  # the same for the first tick and the first evaluation, which
+                               # compile
   c.eval_batch_size = 512      # examples per evaluation batch
   c.max_steps = -1             # stop after this many ticks (-1: num_epochs)
   c.compilation_cache = "auto"  # JAX's persistent compilation cache: auto (a user-level

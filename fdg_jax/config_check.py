@@ -146,6 +146,10 @@ def validate_fields(config) -> None:
               "eval_batch_size", "ticks_per_call"):
     if key in config and (not isinstance(config[key], int) or config[key] < 1):
       _fail(f"{key}={config[key]} must be an integer >= 1")
+  for key in ("stall_timeout_s", "stall_first_tick_s"):
+    if key in config and (isinstance(config[key], bool)
+                          or not isinstance(config[key], (int, float)) or config[key] < 0):
+      _fail(f"{key}={config[key]!r} must be a number of seconds >= 0 (0: no stall watchdog)")
   if "max_steps" in config and (not isinstance(config.max_steps, int) or config.max_steps == 0
                                 or config.max_steps < -1):
     _fail(f"max_steps={config.max_steps} must be -1 (run num_epochs) or a positive integer")

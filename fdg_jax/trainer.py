@@ -36,8 +36,10 @@ from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_m
                                   optimizer_hparams, validate, validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
 from fdg_jax.pipelines import SYNC_PLANS
+from fdg_jax.runtime.watchdog import StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
+STALL_STACKS = "stall_stacks.txt"  # where a stalled run writes the stacks of its threads
 METRICS_FILE = "metrics.jsonl"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"  # fields changed on resume, old -> new
 
@@ -615,25 +617,52 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ConfigError, DatasetNotFoundError, DivergedError, Interrupted (all one-line messages).
   """
   run = setup(config, workdir)
-  loop = TrainingLoop(run)
+  holder: dict = {}
+  watchdog = StallWatchdog(config.get("stall_timeout_s", 600),
+                           config.get("stall_first_tick_s", 1800),
+                           os.path.join(workdir, STALL_STACKS),
+                           lambda: _describe_checkpoint(holder.get("loop"), workdir))
+  watchdog.start(None)
   try:
-    with _stop_on_signals() as stop:
-      while loop.step < run.total_steps:
-        loop.train_until_next_boundary()
-        if loop.at(config.log_every_steps):
-          loop.log_progress()
-        if loop.telemetry_every and loop.at(loop.telemetry_every):
-          loop.measure_staleness()
-        if loop.evaluation_due():
-          loop.evaluate_and_record()
-        loop.end_epoch_if_done()
-        if loop.at(config.checkpoint_every_steps) or loop.step == run.total_steps:
-          loop.save()
-        loop.stop_if_signalled(stop)
-      loop.flush_losses()
+    loop = holder["loop"] = TrainingLoop(run)
+    watchdog.resumed(loop.last_good)  # the first tick still compiles: its allowance holds
+    try:
+      with _stop_on_signals() as stop:
+        evaluated = False
+        while loop.step < run.total_steps:
+          loop.train_until_next_boundary()
+          watchdog.dispatched(loop.step, loop.pending[-1]["loss"])
+          if loop.at(config.log_every_steps):
+            loop.log_progress()
+          if loop.telemetry_every and loop.at(loop.telemetry_every):
+            loop.measure_staleness()
+          if loop.evaluation_due():
+            if not evaluated:  # the first evaluation compiles its program
+              watchdog.allow_compile()
+            loop.evaluate_and_record()
+            evaluated = True
+            watchdog.beat()
+          loop.end_epoch_if_done()
+          if loop.at(config.checkpoint_every_steps) or loop.step == run.total_steps:
+            loop.save()
+            watchdog.beat()
+          loop.stop_if_signalled(stop)
+        loop.flush_losses()
+    finally:
+      loop.close()
+    if not loop.final:
+      watchdog.allow_compile()
+    return loop.result()
   finally:
-    loop.close()
-  return loop.result()
+    watchdog.close()
+
+
+def _describe_checkpoint(loop, workdir: str) -> str:
+  """The newest-checkpoint part of a stall's line."""
+  if loop is not None and loop.last_good is not None:
+    return f"newest checkpoint: step {loop.last_good} in {loop.ckpt.directory}"
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
+  return f"no checkpoint in {directory} yet"
 
 
 class TrainingLoop:
