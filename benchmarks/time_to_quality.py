@@ -1,0 +1,455 @@
+"""Time to BP's quality under DDG and FDG, by a protocol fixed in a file before the runs.
+
+    python benchmarks/time_to_quality.py --part fashion_mlp             # runs, then the report
+    python benchmarks/time_to_quality.py --part fashion_mlp --report    # the report only
+    python benchmarks/time_to_quality.py --part fashion_mlp --report --markdown  # docs' tables
+
+The protocol (benchmarks/protocols/time_to_quality.json: the grids, the edge rule, the
+remedies per schedule, the tie rule, the seeds, what was pruned) governs every run; each
+record stores the protocol part's sha256, the full config it ran with and a key over that
+config, and the report refuses records made under another version of the part.
+
+Choices read held-out records only (a part of the training split, the selection seed): a
+schedule's learning-rate multiplier, then its remedy. A multiplier other than the base, or a
+remedy, is chosen only when it beats the base or the plain run by more than the held-out
+standard error; a tie goes to the simpler setting. The report then reads the test records
+(the whole training split, the test seeds, the test split evaluated every epoch) and prints,
+per schedule: the equal-step gap to BP, the step overhead to reach BP's final test accuracy
+(from a run horizon_factor times longer), and the predicted time-to-quality speed-up
+(the speed-up model's throughput for that K over the step overhead). Writes
+docs/results/time_to_quality_<part>.json (every record) and, with --plot, a PNG of the test
+curves against steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import hashlib
+import json
+import math
+import multiprocessing
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from parity import ROOT, load_config, run_one, validation_split  # noqa: E402
+
+PROTOCOL = ROOT / "benchmarks" / "protocols" / "time_to_quality.json"
+
+
+class ProtocolError(Exception):
+  """Records or arguments that do not belong to the protocol's part."""
+
+
+def load_protocol(path=PROTOCOL) -> dict:
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def part_sha256(protocol: dict, part: str) -> str:
+  """The version of a part: its spec and the shared rules, canonically serialised."""
+  body = {"name": protocol["name"], "version": protocol["version"], "rules": protocol["rules"],
+          "part": protocol["parts"][part]}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def config_key(fields: dict) -> str:
+  return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ the runs
+def _worker(task: dict) -> dict:
+  """One training run in a worker process; its record with the per-epoch curve."""
+  import ml_collections
+  config = load_config(str(ROOT / task["config"]))
+  fields = copy.deepcopy(task["fields"])
+  for key in ("model_kwargs", "optimizer_kwargs"):
+    if key in fields:
+      value = fields.pop(key)
+      if key == "model_kwargs" and "widths" in value:
+        value["widths"] = tuple(value["widths"])
+      config[key] = ml_collections.ConfigDict(value)
+  held = validation_split(task["held_out"]["fraction"], task["held_out"]["seed"]) \
+      if task["split"] == "held_out" else _nothing()
+  try:
+    with held:
+      record = run_one(config, task["workroot"], task["key"], **fields)
+  except Exception as e:  # noqa: BLE001  a run that cannot start counts as failed
+    record = {"diverged": True, "error": f"{type(e).__name__}: {e}", "test_accuracy": math.nan,
+              "test_loss": math.nan, "wall_time": 0.0, "curve": []}
+  return record
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+class Runner:
+  """Trains runs in a pool of worker processes, keeping every record in the part's JSON."""
+
+  def __init__(self, out: pathlib.Path, workroot: pathlib.Path, jobs: int):
+    self.out, self.workroot, self.jobs = out, workroot, jobs
+    self.records = json.loads(out.read_text())["records"] if out.exists() else {}
+    self.pool = None
+
+  def __call__(self, tasks: list[dict]) -> None:
+    todo = [t for t in tasks if t["key"] not in self.records]
+    if not todo:
+      return
+    if self.pool is None:
+      self.pool = concurrent.futures.ProcessPoolExecutor(
+          self.jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = {self.pool.submit(_worker, {**t, "workroot": str(self.workroot)}): t for t in todo}
+    for fut in concurrent.futures.as_completed(futures):
+      t = futures[fut]
+      self.records[t["key"]] = {**fut.result(), "key": t["key"], "split": t["split"],
+                                "what": t["what"], "fields": t["fields"],
+                                "protocol_sha256": t["protocol_sha256"]}
+      self.save()
+
+  def save(self) -> None:
+    data = json.loads(self.out.read_text()) if self.out.exists() else {}
+    data["records"] = self.records
+    tmp = self.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=True))
+    tmp.replace(self.out)
+
+  def close(self) -> None:
+    if self.pool is not None:
+      self.pool.shutdown()
+
+
+class ReadOnly:
+  """The records of a finished part (--report): a run not among them is an error."""
+
+  def __init__(self, records: dict):
+    self.records = records
+
+  def __call__(self, tasks):
+    missing = [t["what"] for t in tasks if t["key"] not in self.records]
+    if missing:
+      raise ProtocolError(f"{len(missing)} run(s) of the protocol have no record, e.g. "
+                          f"{missing[0]}; run the part without --report first")
+
+
+# ------------------------------------------------------------------------------ the protocol
+class Study:
+  """The protocol of one part. `run(tasks)` makes sure the tasks' records exist (training
+  them, or refusing); `records` maps a config key to its record."""
+
+  def __init__(self, protocol: dict, part: str, run, records: dict):
+    self.protocol, self.part = protocol, part
+    self.spec = protocol["parts"][part]
+    if not self.spec.get("status", "").startswith("run"):
+      raise ProtocolError(f"part {part!r} is not run under this protocol: "
+                          f"{self.spec.get('status')}")
+    self.sha = part_sha256(protocol, part)
+    self.run, self.records = run, records
+    self.chosen: dict[str, dict] = {}
+    self.log: list[str] = []
+
+  # -- tasks --
+  def fields(self, schedule: str, lr_mult: float, remedy: str | None, seed: int,
+             epochs_factor: float = 1.0) -> dict:
+    spec = self.spec
+    f = {**copy.deepcopy(spec["fields"]), **spec["schedules"][schedule], "seed": seed}
+    f["learning_rate"] = spec["fields"]["learning_rate"] * lr_mult
+    if remedy:
+      f.update(spec["remedies"][schedule][remedy])
+    if epochs_factor != 1.0:
+      epochs = int(round(f["num_epochs"] * epochs_factor))
+      f.update(num_epochs=epochs)
+    return f
+
+  def task(self, split: str, schedule, lr_mult, remedy, seed, epochs_factor=1.0) -> dict:
+    fields = self.fields(schedule, lr_mult, remedy, seed, epochs_factor)
+    what = (f"{split} {schedule} lr x{lr_mult:g} {remedy or 'plain'} seed {seed}"
+            + (f" x{epochs_factor:g} epochs" if epochs_factor != 1.0 else ""))
+    return {"key": config_key({"split": split, "fields": fields,
+                               "held_out": self.spec["held_out"]}),
+            "split": split, "what": what, "fields": fields, "config": self.spec["config"],
+            "held_out": self.spec["held_out"], "protocol_sha256": self.sha}
+
+  def record(self, task: dict) -> dict:
+    r = self.records[task["key"]]
+    if r.get("protocol_sha256") != self.sha:
+      raise ProtocolError(f"the record of {task['what']} was made under another version of "
+                          f"part {self.part!r} (protocol sha256 {r.get('protocol_sha256')!r},"
+                          f" now {self.sha}); rerun the part")
+    return r
+
+  def held_out(self, schedule, lr_mult, remedy=None) -> dict:
+    return self.task("held_out", schedule, lr_mult, remedy, self.spec["selection_seed"])
+
+  # -- scores --
+  def score(self, r: dict) -> float:
+    if r["diverged"] or r["test_accuracy"] is None or math.isnan(r["test_accuracy"]):
+      return -math.inf
+    return r["test_accuracy"]
+
+  def standard_error(self, r: dict) -> float:
+    n = _held_out_size(self.spec)
+    p = r["test_accuracy"] if not r["diverged"] else 0.5
+    return math.sqrt(max(p * (1 - p), 1e-12) / n)
+
+  # -- the choices (held-out records only) --
+  def choose_lr(self, schedule: str) -> float:
+    grid = sorted(self.spec["lr_grid"])
+    self.run([self.held_out(schedule, m) for m in grid])
+    for _ in range(self.spec["edge_steps"]):
+      best = max(grid, key=lambda m: self.score(self.record(self.held_out(schedule, m))))
+      if best == grid[-1]:
+        grid.append(best * self.spec["edge_factor"])
+      elif best == grid[0]:
+        grid.insert(0, best / self.spec["edge_factor"])
+      else:
+        break
+      self.run([self.held_out(schedule, m) for m in grid])
+    scores = {m: self.score(self.record(self.held_out(schedule, m))) for m in grid}
+    best = max(grid, key=lambda m: (scores[m], m == 1.0))
+    base = self.record(self.held_out(schedule, 1.0))
+    if best != 1.0 and scores[best] - scores[1.0] <= self.standard_error(base):
+      self.log.append(f"{schedule}: lr x{best:g} beat x1 by {scores[best] - scores[1.0]:.4f}, "
+                      f"not more than the standard error {self.standard_error(base):.4f}: x1")
+      best = 1.0
+    return best
+
+  def choose_remedy(self, schedule: str, lr_mult: float) -> str | None:
+    remedies = list(self.spec["remedies"].get(schedule, {}))
+    if not remedies:
+      return None
+    self.run([self.held_out(schedule, lr_mult, r) for r in [None, *remedies]])
+    plain = self.record(self.held_out(schedule, lr_mult))
+    scored = [(self.score(self.record(self.held_out(schedule, lr_mult, r))), -i, r)
+              for i, r in enumerate(remedies)]
+    score, _, best = max(scored)
+    margin, se = score - self.score(plain), self.standard_error(plain)
+    if margin > se:
+      return best
+    self.log.append(f"{schedule}: best remedy {best} beat plain by {margin:.4f}, not more "
+                    f"than the standard error {se:.4f}: plain")
+    return None
+
+  def select(self) -> dict:
+    for schedule in self.spec["schedules"]:
+      lr = self.choose_lr(schedule)
+      self.chosen[schedule] = {"lr_mult": lr, "remedy": self.choose_remedy(schedule, lr)}
+    return self.chosen
+
+  # -- the test runs --
+  def test_tasks(self) -> dict:
+    factor = self.spec["horizon_factor"]
+    out = {}
+    for schedule, c in self.chosen.items():
+      seeds = self.spec["test_seeds"]
+      out[schedule] = {"equal": [self.task("test", schedule, c["lr_mult"], c["remedy"], s)
+                                 for s in seeds]}
+      if schedule != "BP":
+        out[schedule]["long"] = [self.task("test", schedule, c["lr_mult"], c["remedy"], s,
+                                           factor) for s in seeds]
+    return out
+
+  def test(self) -> dict:
+    tasks = self.test_tasks()
+    self.run([t for cell in tasks.values() for ts in cell.values() for t in ts])
+    return {s: {k: [self.record(t) for t in ts] for k, ts in cell.items()}
+            for s, cell in tasks.items()}
+
+
+def _held_out_size(spec: dict) -> int:
+  sizes = {"fashion_mnist": 60000, "digits": 1437}
+  n = sizes[spec["fields"]["dataset"]]
+  return int(round(spec["held_out"]["fraction"] * n))
+
+
+# ------------------------------------------------------------------------------ the metrics
+def mean_curve(records: list[dict], steps_per_epoch: int) -> list[tuple[float, float]]:
+  """(step, accuracy) of the mean over runs, at the evaluations all of them reached."""
+  curves = [r["curve"] for r in records if not r["diverged"]]
+  if not curves or len(curves) < len(records):
+    return []
+  n = min(len(c) for c in curves)
+  return [(curves[0][i]["epoch"] * steps_per_epoch,
+           statistics.fmean(c[i]["test_accuracy"] for c in curves)) for i in range(n)]
+
+
+def steps_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+  """The first step at which `curve` (linear between points, from (0, -inf)) reaches
+  `target`; None if it never does."""
+  prev = None
+  for step, value in curve:
+    if value >= target:
+      if prev is None or prev[1] >= target:
+        return step
+      s0, v0 = prev
+      return s0 + (target - v0) / (value - v0) * (step - s0)
+    prev = (step, value)
+  return None
+
+
+def predicted_speedup(spec: dict, schedule: str) -> float | None:
+  """The speed-up model's synchronous-tick throughput speed-up for the schedule's K, with
+  per-stage time proportional to the stage's parameters (module docstring)."""
+  sched = spec["schedules"][schedule]
+  if sched["algorithm"] == "bp":
+    return 1.0
+  from fdg_jax.bench.schedules import predict
+  params = stage_parameters(spec, sched["num_stages"])
+  times = [{"forward_s": p, "backward_s": 2 * p, "tick_s": 3 * p} for p in params]
+  return predict(times, [0.0] * (len(params) - 1), microbatches=())[sched["algorithm"]][
+      "speedup"]
+
+
+def stage_parameters(spec: dict, num_stages: int) -> list[int]:
+  import jax
+  import numpy as np
+  from fdg_jax import models, partition
+  f = spec["fields"]
+  kwargs = dict(f.get("model_kwargs", {}))
+  if "widths" in kwargs:
+    kwargs["widths"] = tuple(kwargs["widths"])
+  shape = {"fashion_mnist": (28, 28, 1), "digits": (8, 8, 1)}[f["dataset"]]
+  model = models.create(f["model"], num_classes=10, input_shape=shape, **kwargs)
+  x = np.zeros((1, *shape), np.float32)
+  stages = partition.split(model, num_stages, f.get("split", "uniform"), example_input=x)
+  import fdg_jax
+  params, _ = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x)
+  return [sum(int(np.size(a)) for a in jax.tree.leaves(p)) for p in params]
+
+
+def summarise(study: Study, tests: dict) -> dict:
+  spec = study.spec
+  n_train = {"fashion_mnist": 60000, "digits": 1797 - 360}[spec["fields"]["dataset"]]
+  steps_per_epoch = n_train // spec["fields"]["batch_size"]
+  bp = tests["BP"]["equal"]
+  bp_accs = [r["test_accuracy"] for r in bp if not r["diverged"]]
+  bp_final = statistics.fmean(bp_accs)
+  bp_steps = spec["fields"]["num_epochs"] * steps_per_epoch
+  rows = {}
+  for schedule, cell in tests.items():
+    accs = [r["test_accuracy"] for r in cell["equal"] if not r["diverged"]]
+    row = {**study.chosen[schedule], "runs": len(accs), "seeds": len(cell["equal"]),
+           "mean": 100 * statistics.fmean(accs) if accs else math.nan,
+           "std": 100 * statistics.stdev(accs) if len(accs) > 1 else 0.0,
+           "steps": bp_steps}
+    if schedule != "BP":
+      row["gap"] = row["mean"] - 100 * bp_final
+      reach = steps_to_reach(mean_curve(cell["long"], steps_per_epoch), bp_final)
+      row["long_steps"] = int(round(spec["horizon_factor"] * spec["fields"]["num_epochs"])) \
+          * steps_per_epoch
+      row["step_overhead"] = None if reach is None else reach / bp_steps
+      row["predicted_speedup"] = predicted_speedup(spec, schedule)
+      row["time_to_quality_speedup"] = (None if reach is None
+                                        else row["predicted_speedup"] / row["step_overhead"])
+    rows[schedule] = row
+  return {"bp_final_accuracy": 100 * bp_final, "bp_steps": bp_steps,
+          "steps_per_epoch": steps_per_epoch, "rows": rows}
+
+
+def markdown(part: str, summary: dict, log: list[str]) -> str:
+  rows = summary["rows"]
+  lines = [f"<!-- time_to_quality {part}: written by `python benchmarks/time_to_quality.py "
+           f"--part {part} --report --markdown` -->",
+           f"| schedule | chosen (held-out) | test accuracy % (mean ± std) | equal-step gap "
+           f"| step overhead to BP's {summary['bp_final_accuracy']:.2f} | predicted speed-up "
+           f"| predicted time-to-quality speed-up |", "|---|---|---|---|---|---|---|"]
+  for schedule, r in rows.items():
+    chosen = f"lr ×{r['lr_mult']:g}" + (f", {r['remedy']}" if r["remedy"] else "")
+    acc = f"{r['mean']:.2f} ± {r['std']:.2f}" + (
+        f" ({r['seeds'] - r['runs']} diverged)" if r["runs"] < r["seeds"] else "")
+    if schedule == "BP":
+      lines.append(f"| BP | {chosen} | {acc} | – | 1 ({r['steps']} steps) | 1 | 1 |")
+      continue
+    over = ("not reached in " + f"{r['long_steps']} steps" if r["step_overhead"] is None
+            else f"{r['step_overhead']:.2f}×")
+    ttq = ("–" if r["time_to_quality_speedup"] is None
+           else f"{r['time_to_quality_speedup']:.2f}×")
+    lines.append(f"| {schedule} | {chosen} | {acc} | {r['gap']:+.2f} | {over} | "
+                 f"{r['predicted_speedup']:.2f}× | {ttq} |")
+  if log:
+    lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
+    lines += [f"- {entry}" for entry in log]
+  return "\n".join(lines)
+
+
+def plot(summary: dict, tests: dict, path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  spe = summary["steps_per_epoch"]
+  fig, ax = plt.subplots(figsize=(6.4, 4.0))
+  for schedule, cell in tests.items():
+    curve = mean_curve(cell.get("long", cell["equal"]), spe)
+    if curve:
+      ax.plot([s for s, _ in curve], [100 * a for _, a in curve], label=schedule,
+              lw=2 if schedule == "BP" else 1.2)
+  ax.axhline(summary["bp_final_accuracy"], color="0.5", ls=":", lw=1)
+  ax.axvline(summary["bp_steps"], color="0.5", ls=":", lw=1)
+  ax.set_xlabel("step")
+  ax.set_ylabel("test accuracy %, mean over the test seeds")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  lo = min(a for cell in tests.values() for _, a in mean_curve(cell["equal"], spe)) * 100
+  ax.set_ylim(max(lo - 1, 0), summary["bp_final_accuracy"] + 2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", required=True)
+  parser.add_argument("--protocol", default=str(PROTOCOL))
+  parser.add_argument("--report", action="store_true", help="from the part's records only")
+  parser.add_argument("--markdown", action="store_true", help="print the docs' table only")
+  parser.add_argument("--jobs", type=int, default=2)
+  parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
+  parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
+  parser.add_argument("--out", default="")
+  args = parser.parse_args(argv)
+  protocol = load_protocol(args.protocol)
+  if args.part not in protocol["parts"]:
+    parser.error(f"unknown part {args.part!r}; the protocol has {list(protocol['parts'])}")
+  out = pathlib.Path(args.out or ROOT / "docs" / "results" / f"time_to_quality_{args.part}.json")
+  started = time.time()
+  if args.report:
+    if not out.exists():
+      raise SystemExit(f"error: {out} does not exist; run the part without --report first")
+    runner = ReadOnly(json.loads(out.read_text())["records"])
+  else:
+    runner = Runner(out, pathlib.Path(args.workdir) / args.part, args.jobs)
+  try:
+    study = Study(protocol, args.part, runner, runner.records)
+    study.select()
+    tests = study.test()
+  except ProtocolError as e:
+    raise SystemExit(f"error: {e}")
+  finally:
+    if isinstance(runner, Runner):
+      runner.close()
+  summary = summarise(study, tests)
+  text = markdown(args.part, summary, study.log)
+  print(text)
+  if args.plot:
+    plot(summary, tests, args.plot, f"{args.part}: test accuracy against steps (delayed "
+         f"schedules at {study.spec['horizon_factor']:g}× BP's epochs)")
+  if not args.report:
+    data = json.loads(out.read_text())
+    data.update(part=args.part, protocol_sha256=study.sha, chosen=study.chosen,
+                ties=study.log, summary=summary,
+                last_run_s=time.time() - started)
+    out.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=True))
+    if not args.markdown:
+      print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,214 @@
+"""The time-to-quality study's protocol (benchmarks/time_to_quality.py) on fake score surfaces.
+
+No training: the runner writes records from closed-form surfaces, so every choice the protocol
+must make is known in advance. The test surface disagrees with the held-out one everywhere a
+choice is made, so a choice read from test records changes the outcome.
+"""
+
+import copy
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+_spec = importlib.util.spec_from_file_location("time_to_quality",
+                                               ROOT / "benchmarks" / "time_to_quality.py")
+ttq = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ttq)
+
+SE = math.sqrt(0.85 * 0.15 / 6000)  # the held-out standard error near the surfaces' accuracies
+
+# Held-out accuracy of (schedule, lr multiplier, remedy); the test surface prefers other
+# multipliers and remedies in every cell.
+HELD = {"BP": {0.5: 0.850, 1.0: 0.860, 2.0: 0.861, 4.0: 0.855},  # x2 within one SE: x1
+        "DDG K=4": {0.5: 0.850, 1.0: 0.852, 2.0: 0.860, 4.0: 0.858},  # edge grows to x4: x2
+        "FDG K=4": {0.5: 0.860, 1.0: 0.850, 2.0: 0.840, 0.25: 0.855},  # edge /2 tried: x0.5
+        "FDG K=8": {0.5: 0.800, 1.0: 0.820, 2.0: 0.810}}
+HELD_REMEDY = {("FDG K=4", "auto"): +3 * SE,      # beats plain by 3 SE: chosen
+               ("FDG K=4", "beta 0.5"): +1 * SE,
+               ("FDG K=8", "auto"): +0.5 * SE,    # less than one SE: plain stays
+               ("FDG K=8", "beta 0.5"): -0.01}
+TEST = {"BP": {0.25: 0.70, 0.5: 0.90, 1.0: 0.85, 2.0: 0.80},
+        "DDG K=4": {0.25: 0.80, 0.5: 0.95, 1.0: 0.85, 2.0: 0.84, 4.0: 0.80},
+        "FDG K=4": {0.5: 0.70, 1.0: 0.88, 2.0: 0.90, 4.0: 0.70},
+        "FDG K=8": {0.25: 0.60, 0.5: 0.90, 1.0: 0.70, 2.0: 0.90}}
+LONGER = 0.02  # a run of more epochs than the part's ends this much higher
+TEST_REMEDY = {("FDG K=4", "auto"): -0.05, ("FDG K=4", "beta 0.5"): +0.10,
+               ("FDG K=8", "auto"): -0.05, ("FDG K=8", "beta 0.5"): +0.10}
+EXPECTED = {"BP": {"lr_mult": 1.0, "remedy": None},
+            "DDG K=4": {"lr_mult": 2.0, "remedy": None},
+            "FDG K=4": {"lr_mult": 0.5, "remedy": "auto"},
+            "FDG K=8": {"lr_mult": 1.0, "remedy": None}}
+
+
+def _protocol():
+  p = ttq.load_protocol()
+  return p
+
+
+def _final(task) -> float:
+  f, split = task["fields"], task["split"]
+  schedule = next(s for s, v in PART["schedules"].items()
+                  if v["algorithm"] == f["algorithm"] and v["num_stages"] == f["num_stages"])
+  mult = round(f["learning_rate"] / PART["fields"]["learning_rate"], 6)
+  remedy = next((r for r, v in PART["remedies"].get(schedule, {}).items()
+                 if all(f.get(k) == x for k, x in v.items())), None)
+  if split == "held_out":
+    return HELD[schedule][mult] + HELD_REMEDY.get((schedule, remedy), 0.0)
+  longer = LONGER if f["num_epochs"] > PART["fields"]["num_epochs"] else 0.0
+  return (TEST[schedule][mult] + TEST_REMEDY.get((schedule, remedy), 0.0) + longer
+          + 0.001 * f["seed"])
+
+
+PART = _protocol()["parts"]["fashion_mlp"]
+
+
+class FakeRunner:
+  """Records from the surfaces: a linear climb from 0.5 to the final accuracy over the run's
+  epochs (so a longer run reaches any level later in epochs, earlier in fractions)."""
+
+  def __init__(self):
+    self.records, self.calls = {}, []
+
+  def __call__(self, tasks):
+    for t in tasks:
+      self.calls.append(t)
+      if t["key"] in self.records:
+        continue
+      final, epochs = _final(t), t["fields"]["num_epochs"]
+      curve = [{"epoch": e, "test_accuracy": 0.5 + (final - 0.5) * e / epochs,
+                "test_loss": 1.0, "train_loss": 1.0, "wall_time": 0.0}
+               for e in range(1, epochs + 1)]
+      self.records[t["key"]] = {"key": t["key"], "diverged": False, "test_accuracy": final,
+                                "test_loss": 1.0, "curve": curve, "split": t["split"],
+                                "fields": t["fields"], "protocol_sha256": t["protocol_sha256"]}
+
+
+def _study(protocol=None, runner=None):
+  runner = runner or FakeRunner()
+  return ttq.Study(protocol or _protocol(), "fashion_mlp", runner, runner.records), runner
+
+
+def test_every_choice_follows_the_held_out_surface_and_the_tie_rule():
+  study, runner = _study()
+  assert study.select() == EXPECTED
+  # Selection read held-out records only.
+  assert all(t["split"] == "held_out" for t in runner.calls)
+  assert any("BP: lr x2" in line for line in study.log)      # the lr tie went to x1
+  assert any("FDG K=8: best remedy auto" in line for line in study.log)  # the remedy tie
+
+
+def _choices_from_test(study):
+  """The selection pointed at the test split, as a protocol bug would."""
+  original = study.held_out
+
+  def from_test(schedule, lr_mult, remedy=None):
+    t = original(schedule, lr_mult, remedy)
+    return study.task("test", schedule, lr_mult, remedy, study.spec["selection_seed"])
+  study.held_out = from_test
+  return study.select()
+
+
+def test_a_selection_that_reads_test_records_changes_every_outcome():
+  study, _ = _study()
+  peeked = _choices_from_test(study)
+  # Each cell's choice differs from the held-out one: the check above would fail.
+  for schedule, choice in EXPECTED.items():
+    assert peeked[schedule] != choice, schedule
+
+
+def test_report_metrics_from_known_curves():
+  study, runner = _study()
+  study.select()
+  tests = study.test()
+  assert set(tests) == set(EXPECTED)
+  assert all(len(cell["equal"]) == 3 for cell in tests.values())
+  assert "long" not in tests["BP"] and all(len(tests[s]["long"]) == 3 for s in EXPECTED
+                                           if s != "BP")
+  summary = ttq.summarise(study, tests)
+  spe, epochs = 60000 // 128, PART["fields"]["num_epochs"]
+  assert summary["steps_per_epoch"] == spe and summary["bp_steps"] == epochs * spe
+  bp = statistics_mean([TEST["BP"][1.0] + 0.001 * s for s in (0, 1, 2)])
+  assert summary["bp_final_accuracy"] == pytest.approx(100 * bp)
+  rows = summary["rows"]
+  # DDG K=4 at x2 ends at 0.84 + seed/1000, below BP; its 2x run ends LONGER higher, above
+  # BP, and reaches BP's level at epoch 2E (bp - 0.5) / (final + LONGER - 0.5) of its climb.
+  ddg_final = statistics_mean([TEST["DDG K=4"][2.0] + 0.001 * s for s in (0, 1, 2)])
+  assert rows["DDG K=4"]["gap"] == pytest.approx(100 * (ddg_final - bp))
+  long_epochs = int(round(PART["horizon_factor"] * epochs))
+  expected = long_epochs * (bp - 0.5) / (ddg_final + LONGER - 0.5) / epochs
+  assert 1.0 < expected < 2.0
+  assert rows["DDG K=4"]["step_overhead"] == pytest.approx(expected)
+  assert rows["DDG K=4"]["time_to_quality_speedup"] == pytest.approx(
+      rows["DDG K=4"]["predicted_speedup"] / expected)
+  # FDG K=4 with its chosen remedy ends at 0.70 - 0.05 (+ LONGER): never reaches BP's level.
+  assert rows["FDG K=4"]["step_overhead"] is None
+  assert 1.0 < rows["FDG K=8"]["predicted_speedup"] <= 8.0
+  text = ttq.markdown("fashion_mlp", summary, study.log)
+  assert "not reached in" in text and f"{expected:.2f}×" in text
+
+
+def statistics_mean(xs):
+  return sum(xs) / len(xs)
+
+
+def test_steps_to_reach_interpolates_and_says_never():
+  curve = [(100, 0.5), (200, 0.7), (300, 0.9)]
+  assert ttq.steps_to_reach(curve, 0.8) == pytest.approx(250)
+  assert ttq.steps_to_reach(curve, 0.4) == 100
+  assert ttq.steps_to_reach(curve, 0.95) is None
+
+
+def test_records_of_another_protocol_version_are_refused():
+  study, runner = _study()
+  study.select()
+  changed = copy.deepcopy(_protocol())
+  changed["parts"]["fashion_mlp"]["lr_grid"] = [0.5, 1.0, 2.0, 4.0]
+  other, _ = _study(changed, runner)
+  with pytest.raises(ttq.ProtocolError, match="another version of part 'fashion_mlp'"):
+    other.select()
+
+
+def test_a_missing_record_is_refused_in_report_mode():
+  study, runner = _study()
+  study.select()
+  records = dict(runner.records)
+  records.pop(next(iter(records)))
+  reader = ttq.ReadOnly(records)
+  with pytest.raises(ttq.ProtocolError, match="have no record"):
+    ttq.Study(_protocol(), "fashion_mlp", reader, records).select()
+
+
+def test_the_config_key_covers_every_field():
+  study, _ = _study()
+  a = study.task("test", "FDG K=4", 1.0, None, 0)
+  b = study.task("test", "FDG K=4", 1.0, None, 0, epochs_factor=2.0)
+  assert a["key"] != b["key"] and b["fields"]["num_epochs"] == 2 * a["fields"]["num_epochs"]
+  c = study.task("held_out", "FDG K=4", 1.0, None, 0)
+  assert c["key"] != a["key"] and c["fields"] == a["fields"]
+
+
+def test_parts_not_run_are_refused():
+  with pytest.raises(ttq.ProtocolError, match="not run under this protocol"):
+    ttq.Study(_protocol(), "fashion_resnet20", FakeRunner(), {})
+
+
+RESULT = ROOT / "docs" / "results" / "time_to_quality_fashion_mlp.json"
+DOCS = ROOT / "docs" / "staleness.md"
+
+
+@pytest.mark.skipif(not RESULT.exists(), reason="the part has not been run")
+def test_the_docs_table_is_what_the_report_prints_from_the_committed_json():
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
+                        "--part", "fashion_mlp", "--report", "--markdown"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  table = out.stdout.strip()
+  assert table.startswith("<!-- time_to_quality fashion_mlp")
+  assert table in DOCS.read_text(), "docs/staleness.md's table differs from the report"
