@@ -89,10 +89,11 @@ def jax_convs(args, layout: str) -> dict:
   if layout == "NHWC":  # the whole training step, fdg_jax's BP K=1 (torch_cpu.py's contender)
     step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4,
                                    ticks_per_call=4)
-    out["whole step"] = {"step": torch_cpu.fdg_jax_run(step_args, "bp", 1)}
+    step = lambda: torch_cpu.fdg_jax_run(step_args, "bp", 1)["seconds_per_batch"]  # noqa: E731
+    out["whole step"] = {"step": step()}
     from fdg_jax.models import resnet
     resnet.batch_norm = lambda *a, **k: (lambda x: x)  # the same network, BatchNorm removed
-    out["whole step, no BatchNorm"] = {"step": torch_cpu.fdg_jax_run(step_args, "bp", 1)}
+    out["whole step, no BatchNorm"] = {"step": step()}
   return out
 
 
@@ -123,7 +124,7 @@ def torch_convs(args) -> dict:
     f, fb = _timed(fwd, args.iters), _timed(bwd, args.iters)
     out[name] = {"forward": f, "backward": max(fb - f, 0.0)}
   step_args = argparse.Namespace(batch_size=args.batch_size, batches=8, warmup=4)
-  out["whole step"] = {"step": torch_cpu.torch_bp(step_args)}
+  out["whole step"] = {"step": torch_cpu.torch_bp(step_args)["seconds_per_batch"]}
   make = torch_cpu.torch_resnet20
 
   def without_batch_norm():  # the same network, every BatchNorm2d an identity
@@ -135,7 +136,8 @@ def torch_convs(args) -> dict:
     return model
 
   torch_cpu.torch_resnet20 = without_batch_norm
-  out["whole step, no BatchNorm"] = {"step": torch_cpu.torch_bp(step_args)}
+  out["whole step, no BatchNorm"] = {
+      "step": torch_cpu.torch_bp(step_args)["seconds_per_batch"]}
   return out
 
 

@@ -21,7 +21,10 @@ messages are detached tensors, delivered to the neighbours' inboxes after the jo
     import torch_fdg                       # with benchmarks/ on sys.path
     pipe = torch_fdg.FDG(model, 4, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     loss = pipe.tick(x, y)                 # None until the first batch reaches the last stage
-    torch_fdg.check_k1_matches_bp(); torch_fdg.check_k4_schedule()
+    torch_fdg.check_k1_matches_bp(); torch_fdg.check_k4_schedule()   # on ResNet-20
+    pipe = torch_fdg.FDG(gpt, 4, torch_cpu.torch_adam, bounds=[1, 3, 4],
+                         loss=torch_cpu.torch_lm_loss)   # a GPT, cut where fdg_jax cuts it
+    torch_fdg.check_k1_matches_bp(workload=torch_cpu.TorchWorkload.gpt("gpt", [1, 3, 4]))
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 
-def split(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
+def split(model: nn.Sequential, num_stages: int,
+          bounds: list[int] | None = None) -> list[nn.Sequential]:
   """K contiguous chunks of the Sequential's children, balanced by layer count (the first
-  len % K chunks one child longer); the chunks share the model's modules.
+  len % K chunks one child longer), or cut at `bounds` (K-1 increasing child indices, as
+  `fdg_jax.partition`'s boundaries: chunk k is children [b_k, b_{k+1})); the chunks share
+  the model's modules.
 
   Layer counts rather than parameter counts: ResNet-20's nine blocks cost about the same
   FLOPs each while their parameter counts grow 16-fold from the first to the last, so
@@ -47,6 +53,12 @@ def split(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
   children = list(model.children())
   if not 1 <= num_stages <= len(children):
     raise ValueError(f"cannot split {len(children)} layers into {num_stages} stages")
+  if bounds is not None:
+    bounds = [0, *bounds, len(children)]
+    if len(bounds) != num_stages + 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+      raise ValueError(f"bounds {bounds[1:-1]} are not {num_stages - 1} increasing indices "
+                       f"in (0, {len(children)})")
+    return [nn.Sequential(*children[a:b]) for a, b in zip(bounds, bounds[1:])]
   q, r = divmod(len(children), num_stages)
   bounds = [0]
   for k in range(num_stages):
@@ -58,8 +70,9 @@ class Stage:
   """One stage: its module and optimizer, its stash of forwards awaiting their backward, its
   inbox (the messages sent to it at the previous tick) and what it sent this tick."""
 
-  def __init__(self, module: nn.Module, optimizer, first: bool, last: bool):
-    self.module, self.first, self.last = module, first, last
+  def __init__(self, module: nn.Module, optimizer, first: bool, last: bool,
+               loss=F.cross_entropy):
+    self.module, self.first, self.last, self.loss_fn = module, first, last, loss
     self.names = [n for n, _ in module.named_parameters()]
     self.params = [p for _, p in module.named_parameters()]
     self.opt = optimizer(self.params)
@@ -76,7 +89,7 @@ class Stage:
       if self.act_in is not None:
         h, y = self.act_in
         inp, out, snap = self._forward(h)
-        loss = F.cross_entropy(out, y)
+        loss = self.loss_fn(out, y)
         loss.backward()
         self._update(inp, snap)
         self.loss = loss.detach()
@@ -110,13 +123,16 @@ class Stage:
 
 
 class FDG:
-  """FDG training of `model` (an nn.Sequential) split into `num_stages` stages by `split`;
-  `optimizer(params)` builds each stage's optimizer."""
+  """FDG training of `model` (an nn.Sequential) split into `num_stages` stages by `split`
+  (at `bounds` when given); `optimizer(params)` builds each stage's optimizer; `loss(output,
+  labels)` is the last stage's loss (default: cross-entropy over classes)."""
 
-  def __init__(self, model: nn.Sequential, num_stages: int, optimizer):
-    chunks = split(model, num_stages)
+  def __init__(self, model: nn.Sequential, num_stages: int, optimizer, *,
+               bounds: list[int] | None = None, loss=F.cross_entropy):
+    chunks = split(model, num_stages, bounds)
     K = len(chunks)
-    self.stages = [Stage(m, optimizer, k == 0, k == K - 1) for k, m in enumerate(chunks)]
+    self.stages = [Stage(m, optimizer, k == 0, k == K - 1, loss)
+                   for k, m in enumerate(chunks)]
 
   def tick(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """One tick: stage 0 gets (x, y), every stage does its work in its own thread, then the
@@ -145,21 +161,30 @@ class FDG:
 
 
 # ------------------------------------------------------------------------------ checks
-def check_k1_matches_bp(ticks: int = 3, batch_size: int = 8, tol: float = 1e-6) -> float:
+def _workload(workload):
+  """The checks' workload (`torch_cpu.TorchWorkload`: model, optimizer, loss, batches and
+  split); None: ResNet-20 with SGD, as `torch_cpu.py` times it."""
+  if workload is None:
+    from torch_cpu import TorchWorkload
+    workload = TorchWorkload.resnet20()
+  return workload
+
+
+def check_k1_matches_bp(ticks: int = 3, batch_size: int = 8, tol: float = 1e-6,
+                        workload=None) -> float:
   """With K=1, `ticks` ticks of FDG equal as many plain BP steps (same init, same batches):
   returns the largest absolute difference over the parameters and buffers, asserted <= tol."""
-  from torch_cpu import torch_resnet20, torch_sgd
+  w = _workload(workload)
   torch.manual_seed(0)
-  bp_model = torch_resnet20()
+  bp_model = w.model()
   fdg_model = copy.deepcopy(bp_model)
-  bp_opt = torch_sgd(bp_model.parameters())
-  pipe = FDG(fdg_model, 1, torch_sgd)
+  bp_opt = w.optimizer(bp_model.parameters())
+  pipe = FDG(fdg_model, 1, w.optimizer, loss=w.loss)
   g = torch.Generator().manual_seed(1)
   for _ in range(ticks):
-    x = torch.randn(batch_size, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (batch_size,), generator=g)
+    x, y = w.batch(batch_size, g)
     bp_opt.zero_grad(set_to_none=True)
-    F.cross_entropy(bp_model(x), y).backward()
+    w.loss(bp_model(x), y).backward()
     bp_opt.step()
     pipe.tick(x, y)
   bp_state, fdg_state = bp_model.state_dict(), fdg_model.state_dict()
@@ -169,19 +194,18 @@ def check_k1_matches_bp(ticks: int = 3, batch_size: int = 8, tol: float = 1e-6) 
   return diff
 
 
-def check_k4_schedule(ticks: int = 10, batch_size: int = 8) -> dict:
+def check_k4_schedule(ticks: int = 10, batch_size: int = 8, workload=None) -> dict:
   """K=4 for `ticks` ticks: the loss is None while the pipeline fills and finite after; stage
   k first updates at tick K-1 + (K-1-k); at the end stage k holds 2(K-1-k) stashed forwards
   (the forwards between a batch's forward and its backward there, its gradient's staleness)."""
-  from torch_cpu import torch_resnet20, torch_sgd
+  w = _workload(workload)
   K = 4
   torch.manual_seed(0)
-  pipe = FDG(torch_resnet20(), K, torch_sgd)
+  pipe = FDG(w.model(), K, w.optimizer, bounds=w.bounds, loss=w.loss)
   g = torch.Generator().manual_seed(1)
   first_update, losses = [None] * K, []
   for t in range(ticks):
-    x = torch.randn(batch_size, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (batch_size,), generator=g)
+    x, y = w.batch(batch_size, g)
     loss = pipe.tick(x, y)
     losses.append(None if loss is None else loss.item())
     for k, s in enumerate(pipe.stages):
