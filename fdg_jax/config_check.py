@@ -96,6 +96,8 @@ def validate_fields(config) -> None:
     _fail(f"unknown backward {config.backward!r}; use --config.backward=stash|recompute")
   if not isinstance(config.beta, (int, float)) or not 0.0 < config.beta <= 1.0:
     _fail(f"beta={config.beta} must lie in (0, 1]; 1 disables gradient shrinking")
+  if config.get("shrink_at", "gradient") not in ("gradient", "update"):
+    _fail(f"unknown shrink_at {config.shrink_at!r}; use --config.shrink_at=gradient|update")
   if config.dataset not in data.list_datasets() and config.dataset != TEXT_DATASET:
     _fail(f"unknown dataset {config.dataset!r}; known: "
           f"{', '.join(data.list_datasets() + [TEXT_DATASET])}")

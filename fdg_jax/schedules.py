@@ -81,6 +81,7 @@ from fdg_jax.telemetry import Telemetry
 PyTree = Any
 ALGORITHMS = ("bp", "ddg", "fdg")
 BACKWARD_POLICIES = ("stash", "recompute")
+SHRINK_AT = ("gradient", "update")  # where FDG's beta scales stage k: its gradient or update
 ENGINES = ("auto", "fused", "per_stage", "spmd")
 GATES = ("mask", "cond")
 # The largest training forward (FLOPs, one stage, one tick) for which FDG's fused programs
@@ -155,7 +156,8 @@ class Schedule(Telemetry):
   """
 
   def __init__(self, algorithm, stages: Sequence[Stage], loss_fn: Callable,
-               optimizer, *, beta: float = 1.0, backward: str = "stash",
+               optimizer, *, beta: float = 1.0, shrink_at: str = "gradient",
+               backward: str = "stash",
                devices=None, mesh=None, metrics_fn: Callable | None = None,
                engine: str = "auto", scan: bool | None = None, telemetry: bool = False,
                compiler_options: dict | None = None, ring_heads: bool | None = None,
@@ -176,6 +178,8 @@ class Schedule(Telemetry):
       raise TypeError("stages must be fdg_jax.Stage objects (see Stage.from_fn / from_linen)")
     if not 0.0 < beta <= 1.0:
       raise ValueError(f"beta must lie in (0, 1], got {beta}")
+    if shrink_at not in SHRINK_AT:
+      raise ValueError(f"unknown shrink_at {shrink_at!r}; choose one of {SHRINK_AT}")
     # The plan: the calls of a tick (`fdg_jax.plans`), by name or given.
     self.plan = (plans_lib.plan(algorithm, len(stages)) if isinstance(algorithm, str)
                  else algorithm)
@@ -190,6 +194,7 @@ class Schedule(Telemetry):
     self.num_stages = len(stages)
     self.loss_fn = loss_fn
     self.beta = float(beta)
+    self.shrink_at = shrink_at
     self.backward = backward
     self.metrics_fn = metrics_fn or classification_metrics
     self.telemetry_enabled = bool(telemetry)
@@ -322,7 +327,9 @@ class Schedule(Telemetry):
     """Stage k's optimizer: `optimizer` itself, its k-th entry, or `optimizer(k, d_k)`.
 
     Every one becomes a `staleness.DelayedTransformation` (a plain optax transform gets the
-    identity forward hook); FDG's shrinking is chained first.
+    identity forward hook); FDG's shrinking is chained first (`shrink_at="gradient"`, the
+    paper's), or last (`"update"`: a learning-rate scale, for optimisers such as Adam whose
+    update ignores a constant gradient scale).
     """
     K = self.num_stages
     if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
@@ -333,8 +340,10 @@ class Schedule(Telemetry):
       opts = list(optimizer)
       if len(opts) != K:
         raise ValueError(f"got {len(opts)} optimizers for {K} stages")
-    if self.beta != 1.0:
+    if self.beta != 1.0 and self.shrink_at == "gradient":
       opts = [staleness_lib.chain(shrink(self.beta, k, K), o) for k, o in enumerate(opts)]
+    elif self.beta != 1.0:
+      opts = [staleness_lib.chain(o, shrink(self.beta, k, K)) for k, o in enumerate(opts)]
     return [staleness_lib.with_forward(o) for o in opts]
 
   def _forward_params(self, k, params, opt_state, flag):
@@ -1156,7 +1165,10 @@ def ddg(stages, loss_fn, optimizer, *, backward="stash", **kwargs) -> Schedule:
 def fdg(stages, loss_fn, optimizer, *, beta=1.0, backward="stash", **kwargs) -> Schedule:
   """Fully decoupled training (Zhuang et al. 2021): all locks broken, delay 2(K-1-k).
 
-  `beta` in (0, 1] shrinks stage k's gradient by beta**(K-1-k) (see `fdg_jax.shrink`).
+  `beta` in (0, 1] shrinks stage k's gradient by beta**(K-1-k) (see `fdg_jax.shrink`);
+  `shrink_at="update"` scales stage k's update by that factor instead (a per-stage
+  learning-rate scale: the form shrinking takes for Adam-like optimisers, which ignore a
+  constant scale of the gradient).
   """
   return Schedule("fdg", stages, loss_fn, optimizer, beta=beta, backward=backward, **kwargs)
 
@@ -1172,4 +1184,6 @@ def create(algorithm: str, stages, loss_fn, optimizer, **kwargs):
                      "batch")
   if algorithm != "fdg" and kwargs.get("beta", 1.0) != 1.0:
     raise ValueError(f"beta (gradient shrinking) is an FDG option; {algorithm} takes none")
+  if algorithm != "fdg" and kwargs.get("shrink_at", "gradient") != "gradient":
+    raise ValueError(f"shrink_at is an FDG option (where beta applies); {algorithm} takes none")
   return Schedule(algorithm, stages, loss_fn, optimizer, **kwargs)

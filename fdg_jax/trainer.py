@@ -306,6 +306,7 @@ def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None =
   else:
     if config.algorithm == "fdg":
       kwargs["beta"] = config.beta
+      kwargs["shrink_at"] = config.get("shrink_at", "gradient")
     if config.algorithm != "bp":
       kwargs["backward"] = config.backward
     kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
@@ -939,10 +940,10 @@ def _log(msg: str) -> None:
 
 _IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset",
                     "batch_size", "seed", "split", "backward", "beta", "num_replicas",
-                    "staleness", "dtype", "optimizer")
+                    "staleness", "dtype", "optimizer", "shrink_at")
 
 
-_DEFAULTS = {"staleness": "none", "dtype": "float32"}  # identity fields that runs of older versions lack
+_DEFAULTS = {"staleness": "none", "dtype": "float32", "shrink_at": "gradient"}  # identity fields that runs of older versions lack
 
 
 def _check_or_write_config(config, workdir: str) -> None:

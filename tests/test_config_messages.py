@@ -57,3 +57,8 @@ def test_unknown_override_names_the_closest_field_at_its_level():
   assert unknown_override(c, ["--config.qqqq=1"]).endswith("docs/configs.md lists every field")
   assert "one JSON value" in unknown_override(c, ["--config.opt_kwargs.b1=0.9"])
   assert unknown_override(c, ["--workdir=x", "--config", "f.py"]) is None
+
+
+def test_unknown_shrink_at_value():
+  assert _cli("--config.shrink_at=weights") == (
+      "config error: unknown shrink_at 'weights'; use --config.shrink_at=gradient|update")

@@ -127,3 +127,29 @@ def test_telemetry_needs_the_flag_and_is_none_without_staleness():
   off = fdg_jax.create("fdg", stages_of(applies), loss_fn, optax.sgd(0.1))
   with pytest.raises(ValueError, match="telemetry=True"):
     off.telemetry(off.init(params, states))
+
+
+@pytest.mark.parametrize("path", ["step", "run"])
+def test_shrinking_at_the_update_is_a_per_stage_learning_rate_scale(path):
+  """FDG's beta with shrink_at="update": stage k's update times beta**(K-1-k), against the
+  simulator running beta 1 with that scale chained after each stage's Adam."""
+  K, beta = 3, 0.5
+  applies, params, states = make_model("mlp", K)
+  data = batches(13)
+  scaled = [optax.chain(optax.adam(1e-2), optax.scale(beta ** (K - 1 - k))) for k in range(K)]
+  ref_params, _, ref_trace = simulate("fdg", applies, params, states, scaled, data, beta=1.0)
+  sched = fdg_jax.fdg(stages_of(applies), loss_fn, optax.adam(1e-2), beta=beta,
+                      shrink_at="update")
+  got, _, trace, _ = run_schedule(sched, params, states, data,
+                                  chunks=(5, 8) if path == "run" else None)
+  assert trace == ref_trace
+  assert_trees_close(got, ref_params, atol=1e-6)
+  # Under Adam, shrinking the gradient changes (almost) nothing; shrinking the update does.
+  grad, _, _, _ = run_schedule(fdg_jax.fdg(stages_of(applies), loss_fn, optax.adam(1e-2),
+                                           beta=beta), params, states, data)
+  plain, _, _, _ = run_schedule(fdg_jax.fdg(stages_of(applies), loss_fn, optax.adam(1e-2)),
+                                params, states, data)
+  assert_trees_close(grad, plain, atol=1e-4)
+  assert not np.allclose(np.asarray(got[0]["w"]), np.asarray(plain[0]["w"]), atol=1e-4)
+  with pytest.raises(ValueError, match="shrink_at is an FDG option"):
+    fdg_jax.create("ddg", stages_of(applies), loss_fn, optax.adam(1e-2), shrink_at="update")
