@@ -157,3 +157,38 @@ def test_settings_stack_by_forward_selection(tmp_path):
   assert f["staleness"] == "error_feedback+lr_by_delay"
   assert f["staleness_strength"] == 0.5 and f["staleness_ramp_epochs"] == 1.0
   assert f["warmup_epochs"] == 2.0
+
+
+class DisagreeingStudy(FakeStudy):
+  """Test records whose surface disagrees with the held-out one: on test, muon (the
+  held-out loser in every cell) is far better."""
+
+  def run(self, cells, held_out):
+    rows = super().run(cells, held_out)
+    for row in rows:
+      if not held_out and not row.get("flipped"):
+        row["test_loss"] += -2.0 if row["cell"][0] == "muon" else 0.0
+        row["flipped"] = True
+      row["test_perplexity"] = math.exp(row["test_loss"])
+    return rows
+
+
+def test_the_headline_reads_held_out_scores_not_test_means(tmp_path):
+  args = dr.make_parser().parse_args([
+      "--part", "gpt", "--lrs", "0.5", "1", "2", "4", "--schedules", "BP", "FDG K=4",
+      "FDG K=8", "--optimizers", "muon", "basis_rotation", "--remedy_at", "FDG K=4",
+      "--remedies", "error_feedback 0.5", "--report", "--workdir", str(tmp_path / "w"),
+      "--out", str(tmp_path / "study.json")])
+  study = DisagreeingStudy(args)
+  study.new = []
+  # basis_rotation's held-out optimum sits nearer the grid in every cell, so its held-out
+  # score is the better one; muon's test loss is 2 lower everywhere.
+  result = study.protocol()
+  held = {o: study.score(study.records[study.name(o, "BP", *result["chosen"][(o, "BP")], 0,
+                                                  True)]) for o in ("muon", "basis_rotation")}
+  assert held["basis_rotation"] > held["muon"]
+  text, summary = dr.report(study, result)
+  assert summary["muon | BP"]["mean"] < summary["basis_rotation | BP"]["mean"]  # test: muon
+  headline = text.split("Headline:")[1]
+  assert "BP cell with the best held-out score (basis_rotation" in headline
+  assert "- FDG K=4: basis_rotation" in headline
