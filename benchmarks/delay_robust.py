@@ -5,6 +5,7 @@
     python benchmarks/delay_robust.py --part gpt --gpt_epochs 3 ...  # the GPT study: ~5.5 h
     python benchmarks/delay_robust.py --part mlp          # ~1 h
     python benchmarks/delay_robust.py --part vit --report  # tables from the saved runs only
+                                                           # (under the options they ran with)
 
 Workloads (each `fdg_jax.trainer.train_and_evaluate` on a config of this repository):
   gpt  configs/lm.py at width 64: token embedding, 6 causal pre-norm blocks of 4 heads, head
@@ -541,6 +542,8 @@ def make_parser() -> argparse.ArgumentParser:
                       help="gpt: training bytes (the held-out part follows them)")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--report", action="store_true", help="tables from saved runs only")
+  parser.add_argument("--markdown", action="store_true",
+                      help="with --report: print only the headline, as the docs hold it")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "delay_robust"))
   parser.add_argument("--out", default="")
   return parser
@@ -567,6 +570,13 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f"unknown --settings {unknown}; known: "
                  f"{list(SETTINGS['sgd' if args.part == 'mlp' else 'adam'])}")
+  if args.report and os.path.exists(args.out):
+    # The report follows the protocol options the part's runs were made under (its JSON's
+    # args), not this command line's defaults.
+    saved = json.loads(pathlib.Path(args.out).read_text()).get("args", {})
+    for key, value in saved.items():
+      if key not in ("report", "workdir", "out", "jobs", "resume_from") and hasattr(args, key):
+        setattr(args, key, value)
   started = time.time()
   study = Study(args)
   try:
@@ -574,6 +584,14 @@ def main(argv=None) -> int:
   finally:
     study.close()
   text, summary = report(study, result)
+  if args.markdown:
+    command = " ".join(["python benchmarks/delay_robust.py", "--part", args.part]
+                       + ([f"--gpt_epochs {args.gpt_epochs}"] if args.part == "gpt"
+                          and args.gpt_epochs != 1 else [])
+                       + ["--report", "--markdown"])
+    print(f"<!-- {command} -->\n" + ("Headline:" + text.split("Headline:", 1)[1]
+                                       if "Headline:" in text else "(no headline)"))
+    return 0
   print(text)
   out = args.out
   if not args.report:

@@ -43,3 +43,16 @@ def test_the_config_reference_is_generated_from_the_config():
   spec.loader.exec_module(module)
   assert documented == set(module.get_config().keys())
   assert all(comment for _, _, _, comment in gen_configs.fields())  # every field explained
+
+
+@pytest.mark.parametrize("args", [["--part", "mlp"], ["--part", "vit"],
+                                  ["--part", "gpt", "--gpt_epochs", "3"]],
+                         ids=["mlp", "vit", "gpt"])
+def test_the_staleness_headlines_are_what_the_study_prints_from_its_json(args):
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "delay_robust.py"), *args,
+                        "--report", "--markdown"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  block = out.stdout.strip()
+  assert block.startswith("<!-- python benchmarks/delay_robust.py") and "Headline:" in block
+  assert block in (ROOT / "docs" / "staleness.md").read_text()
