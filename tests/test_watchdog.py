@@ -79,6 +79,33 @@ def test_steady_progress_never_fires_and_close_stops_it(tmp_path):
   assert exits == []
 
 
+class _SlowReady:
+  """An output whose readiness check takes a while (the watchdog's thread is inside it)."""
+
+  def __init__(self):
+    self.entered = threading.Event()
+
+  def is_ready(self):
+    self.entered.set()
+    time.sleep(0.5)
+    return True
+
+
+def test_close_joins_the_thread_even_while_it_polls(tmp_path):
+  # A polling thread left running at interpreter exit is ended by pthread_exit, which aborts
+  # the process when it unwinds through jaxlib's frames: close() must not return before the
+  # thread has ended.
+  dog, exits = _watch(tmp_path, timeout_s=2.0, first_s=2.0)
+  dog.start(None)
+  thread = dog._thread
+  slow = _SlowReady()
+  dog.dispatched(1, slow)
+  assert slow.entered.wait(5.0)
+  dog.close()
+  assert not thread.is_alive()
+  assert exits == []
+
+
 def test_the_first_tick_and_allowed_compiles_get_the_longer_allowance(tmp_path):
   dog, exits = _watch(tmp_path, timeout_s=0.3, first_s=1.5)
   dog.start(None)

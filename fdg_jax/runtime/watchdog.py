@@ -108,6 +108,13 @@ class StallWatchdog:
 
   def close(self) -> None:
     self._stop.set()
+    # Joined, not left to die with the interpreter: a daemon thread that is still polling
+    # (`is_ready`, C++ under the GIL's release) when Python finalises is ended by
+    # pthread_exit, whose unwinding through jaxlib's frames aborts the process (SIGABRT,
+    # "FATAL: exception not rethrown") after the run has finished.
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=30.0)
+      self._thread = None
     if self.enabled:
       faulthandler.cancel_dump_traceback_later()
       if self._stacks_file is not None:
