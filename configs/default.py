@@ -26,6 +26,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.microbatches = 4           # gpipe, 1f1b: micro-batches per tick (must divide batch_size)
   c.num_stages = 4             # K: stages, each on its own device where there are K
   c.beta = 1.0                 # FDG gradient shrinking, in (0, 1]
+  c.plan_module = ""           # a module imported before the config is checked: one that
+                               # registers schedules (fdg_jax.plans.register) for
+                               # --config.algorithm
   c.shrink_at = "gradient"     # gradient (the paper's: stage k's gradient times
                                # beta^(K-1-k)) | update (its update instead: a per-stage
                                # learning-rate scale, the form that acts under Adam-like

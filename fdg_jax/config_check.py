@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fdg_jax.pipelines import SYNC_PLANS
-from fdg_jax.schedules import ALGORITHMS, BACKWARD_POLICIES
+from fdg_jax import plans
+from fdg_jax.schedules import BACKWARD_POLICIES
 
 
 def _process_count() -> int:
@@ -71,6 +71,19 @@ def unknown_override(config, argv) -> str | None:
   return None
 
 
+def _import_plan_module(config) -> None:
+  """Imports the module --config.plan_module names (it registers schedules)."""
+  name = config.get("plan_module", "")
+  if not name:
+    return
+  import importlib
+  try:
+    importlib.import_module(name)
+  except Exception as e:  # noqa: BLE001  one line, whatever the module raised
+    _fail(f"plan_module {name!r} could not be imported ({type(e).__name__}: {e}); give a "
+          "module on the Python path that calls fdg_jax.plans.register")
+
+
 def validate_fields(config) -> None:
   """Checks every field that needs no model: ConfigError (one line) on the first problem."""
   from fdg_jax import data  # imported lazily: validation runs before heavy set-up
@@ -78,20 +91,29 @@ def validate_fields(config) -> None:
   missing = [k for k in REQUIRED if k not in config]
   if missing:
     _fail(f"config lacks field(s) {', '.join(missing)}; start from configs/default.py")
-  if config.algorithm not in ALGORITHMS + SYNC_PLANS:
+  _import_plan_module(config)
+  if config.algorithm not in plans.names():
     _fail(f"unknown algorithm {config.algorithm!r}; use "
-          f"--config.algorithm={'|'.join(ALGORITHMS + SYNC_PLANS)}")
-  if config.algorithm in SYNC_PLANS:
+          f"--config.algorithm={'|'.join(plans.names())} (or register one with "
+          "fdg_jax.plans.register in the module --config.plan_module names)")
+  spec = plans.spec(config.algorithm)
+  if config.beta != 1.0 and "beta" not in spec.options:
+    _fail(f"beta={config.beta}: gradient shrinking is an option of "
+          f"{' and '.join(n for n in plans.names() if 'beta' in plans.spec(n).options)}; "
+          f"use --config.beta=1.0 with {config.algorithm}")
+  if config.get("shrink_at", "gradient") != "gradient" and "shrink_at" not in spec.options:
+    _fail(f"shrink_at={config.shrink_at!r} applies to gradient shrinking, which "
+          f"{config.algorithm} does not take; use --config.shrink_at=gradient")
+  if not spec.delayed and config.get("staleness", "none") not in ("none", "auto"):
+    _fail(f"{config.algorithm} has no delay: use --config.staleness=none")
+  if spec.microbatched:
     m = config.get("microbatches", 1)
     if not isinstance(m, int) or m < 1 or config.batch_size % m:
       _fail(f"microbatches={m} must be a positive integer that divides batch_size="
             f"{config.batch_size} ({config.algorithm} splits each batch into equal parts)")
-    if config.num_replicas > 1 or config.get("engine", "auto") == "spmd":
-      _fail(f"{config.algorithm} runs on one device or a device per stage: use "
-            "--config.num_replicas=1 and --config.engine=auto|fused|per_stage")
-    if config.get("staleness", "none") not in ("none", "auto") or config.beta != 1.0:
-      _fail(f"{config.algorithm} has no delay: use --config.staleness=none and "
-            "--config.beta=1.0")
+  if config.num_replicas > 1 and not spec.replicas:
+    _fail(f"{config.algorithm} runs on one device or a device per stage: use "
+          "--config.num_replicas=1")
   if config.backward not in BACKWARD_POLICIES:
     _fail(f"unknown backward {config.backward!r}; use --config.backward=stash|recompute")
   if not isinstance(config.beta, (int, float)) or not 0.0 < config.beta <= 1.0:
@@ -133,10 +155,11 @@ def validate_fields(config) -> None:
   engine = config.get("engine", "auto")
   if engine not in ("auto", "fused", "per_stage", "spmd"):
     _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage|spmd")
+  if engine != "auto" and engine not in spec.engines:
+    runs = ' and '.join(n.upper() for n in plans.names() if engine in plans.spec(n).engines)
+    _fail(f"engine={engine} runs {runs} only; use --config.engine="
+          f"{'|'.join(('auto',) + spec.engines)} for {config.algorithm}")
   if engine == "spmd":
-    if config.algorithm != "fdg":
-      _fail(f"engine=spmd runs FDG only; use --config.engine=per_stage for "
-            f"{config.algorithm}")
     if config.get("telemetry_every_steps", 0) > 0:
       _fail("engine=spmd has no staleness telemetry; use --config.engine=per_stage or fused")
   if config.get("gate", "auto") not in ("auto", "mask", "cond"):

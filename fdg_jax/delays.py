@@ -6,7 +6,7 @@ before anything is allocated).
 
 from __future__ import annotations
 
-import functools
+from fdg_jax import plans
 
 
 def delay(algorithm: str, stage: int, num_stages: int) -> int:
@@ -22,9 +22,7 @@ def ring_size(algorithm: str, stage: int, num_stages: int) -> int:
   return _plan(algorithm, num_stages).ring_sizes[stage]
 
 
-@functools.lru_cache(maxsize=None)
 def _plan(algorithm: str, num_stages: int):
-  from fdg_jax import plans
   return plans.plan(algorithm, num_stages)
 
 

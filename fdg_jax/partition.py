@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdg_jax.models import BlockRange, Model
+from fdg_jax import plans
 from fdg_jax.delays import ring_heads_default, slots_held
 from fdg_jax.stages import Residuals, Stage, training_vjp
 
 PyTree = Any
 SPLITS = ("uniform", "balanced", "paper")
 COSTS = ("flops", "bytes", "time")
-SCHEDULES = ("fdg", "ddg")
 
 # Measurements per (kind, block config, input shape/dtype): CIFAR ResNets repeat a handful of
 # block configurations many times (ResNet-1202: 602 blocks, 7 distinct), so this makes balancing
@@ -56,8 +56,9 @@ def ring_length(stage: int, num_stages: int, schedule: str = "fdg",
   `delays.ring_heads_default`: not on CPU), a ring of two slots or more keeps a head
   besides, a copy of the slot the next tick reads, one slot more.
   """
-  if schedule not in SCHEDULES:
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+  if schedule not in plans.names(microbatched=False, delayed=True):
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of "
+                     f"{', '.join(plans.names(microbatched=False, delayed=True))}")
   if heads is None:
     heads = ring_heads_default(jax.default_backend())
   return slots_held(schedule, stage, num_stages, heads)

@@ -37,7 +37,7 @@ from fdg_jax import staleness as staleness_lib
 from fdg_jax.placement import Placement
 from fdg_jax.stages import Stage, training_vjp
 
-SYNC_PLANS = ("gpipe", "1f1b")
+SYNC_PLANS = plans_lib.names(microbatched=True)  # the built-in ones (gpipe, 1f1b)
 
 
 def _classification_metrics(outputs, labels) -> dict:
@@ -54,8 +54,9 @@ class SyncPipeline:
   def __init__(self, name: str, stages: Sequence[Stage], loss_fn: Callable, optimizer, *,
                microbatches: int, devices=None, mesh=None, metrics_fn: Callable | None = None,
                engine: str = "auto", **unused):
-    if name not in SYNC_PLANS:
-      raise ValueError(f"unknown synchronous pipeline {name!r}; choose one of {SYNC_PLANS}")
+    if name not in plans_lib.names(microbatched=True):
+      raise ValueError(f"unknown synchronous pipeline {name!r}; choose one of "
+                       f"{plans_lib.names(microbatched=True)}")
     bad = sorted(k for k, v in unused.items()
                  if not (k == "backward" and v == "stash") and not (k == "beta" and v == 1.0)
                  and not (k in ("telemetry",) and not v) and v is not None)

@@ -16,8 +16,11 @@ From the plan, by simulating its dataflow over ticks (`Derived`), come: each sta
 d_k (ticks between forwarding a batch and applying its gradient), its ring size (the most
 stash entries it holds at once), its warm-up flags (whether a message has arrived at tick t),
 the first tick from which every stage works (`fill_ticks`), and the fused engine's issue
-order (`old_messages_first`). `grid` prints the plan as a (tick x stage) table. The names of
-the algorithms appear here and in their factories only.
+order (`old_messages_first`). `grid` prints the plan as a (tick x stage) table.
+
+Every schedule is declared once, in the registry at the end of this module (`register`,
+`spec`, `names`): its plan factory and what it accepts (options, engines, replicas, whether
+its gradients are delayed). Everything else that depends on a schedule's name reads it.
 
 GPipe and 1F1B, the synchronous pipelines, are plans of micro-batch actions per device
 (`microbatch_order`): F (forward of micro-batch m), B (its backward, gradients accumulated),
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+import re
+from typing import Callable, Optional
 
 SOURCES = ("batch", "now", "inbox")
 
@@ -334,43 +338,154 @@ def fdg(num_stages: int) -> Plan:
   return Plan("fdg", K, tuple(calls))
 
 
-PLANS = {"bp": bp, "ddg": ddg, "fdg": fdg}
+_PLAN_CACHE: dict = {}
 
 
 def plan(name: str, num_stages: int) -> Plan:
-  if name not in PLANS:
-    raise ValueError(f"no plan named {name!r}; known: {sorted(PLANS)}")
-  return PLANS[name](num_stages)
+  """The plan of the registered schedule `name` for `num_stages` stages (a value: built once
+  per name and K, anew after a `register`)."""
+  key = (name, num_stages)
+  if key not in _PLAN_CACHE:
+    sp = spec(name)
+    if sp.make_plan is None:
+      raise ValueError(f"{name!r} is a pipeline of micro-batches, not a tick plan: see "
+                       "microbatch_order")
+    made = sp.make_plan(num_stages)
+    if not isinstance(made, Plan):
+      raise TypeError(f"schedule {name!r}'s make_plan returned {type(made).__name__}, not a "
+                      "plans.Plan")
+    _PLAN_CACHE[key] = made
+  return _PLAN_CACHE[key]
 
 
 # ------------------------------------------------------------------------------ micro-batches
 def microbatch_order(name: str, num_stages: int, microbatches: int) -> list[list[tuple]]:
-  """Per stage (device), the order of its micro-batch actions in a tick of a synchronous
-  pipeline: ("F", m) and ("B", m); every stage updates once after its last action.
+  """Per stage (device), the order of its micro-batch actions in a tick of the registered
+  synchronous pipeline `name`: ("F", m) and ("B", m); every stage updates once after its
+  last action (gpipe: `gpipe_order`, 1f1b: `one_f_one_b_order`)."""
+  sp = spec(name)
+  if sp.make_order is None:
+    raise ValueError(f"no micro-batch plan named {name!r}; known: "
+                     f"{', '.join(names(microbatched=True))}")
+  if microbatches < 1:
+    raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+  return sp.make_order(num_stages, microbatches)
 
-  gpipe: F0 .. F(M-1), then B(M-1) .. B0 (Huang et al. 2019).
-  1f1b: min(M, K-1-k) warm-up forwards, then one forward and one backward in turn, then the
-  remaining backwards (PipeDream-Flush, Narayanan et al. 2021).
-  """
+
+def gpipe_order(num_stages: int, microbatches: int) -> list[list[tuple]]:
+  """GPipe (Huang et al. 2019): F0 .. F(M-1), then B(M-1) .. B0 on every stage."""
+  M = microbatches
+  return [[("F", m) for m in range(M)] + [("B", m) for m in reversed(range(M))]
+          for _ in range(num_stages)]
+
+
+def one_f_one_b_order(num_stages: int, microbatches: int) -> list[list[tuple]]:
+  """1F1B (PipeDream-Flush, Narayanan et al. 2021): min(M, K-1-k) warm-up forwards, then one
+  forward and one backward in turn, then the remaining backwards."""
   K, M = num_stages, microbatches
-  if M < 1:
-    raise ValueError(f"microbatches must be >= 1, got {M}")
   out = []
   for k in range(K):
-    if name == "gpipe":
-      out.append([("F", m) for m in range(M)] + [("B", m) for m in reversed(range(M))])
-    elif name == "1f1b":
-      warm = min(M, K - 1 - k)
-      order = [("F", m) for m in range(warm)]
-      f, b = warm, 0
-      while f < M:
-        order += [("F", f), ("B", b)]
-        f, b = f + 1, b + 1
-      order += [("B", m) for m in range(b, M)]
-      out.append(order)
-    else:
-      raise ValueError(f"no micro-batch plan named {name!r}; known: gpipe, 1f1b")
+    warm = min(M, K - 1 - k)
+    order = [("F", m) for m in range(warm)]
+    f, b = warm, 0
+    while f < M:
+      order += [("F", f), ("B", b)]
+      f, b = f + 1, b + 1
+    order += [("B", m) for m in range(b, M)]
+    out.append(order)
   return out
+
+
+# ------------------------------------------------------------------------------ the registry
+OPTIONS = ("beta", "shrink_at", "backward", "microbatches")  # what a schedule may accept
+ENGINES = ("fused", "per_stage", "spmd")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+  """A schedule as the library knows it: everything that depends on its name is read here.
+
+  make_plan: `make_plan(num_stages, **options) -> Plan` (a schedule of ticks, run by
+    `fdg_jax.Schedule`); None for a pipeline of micro-batches.
+  make_order: `make_order(num_stages, microbatches)`, the per-stage micro-batch actions of a
+    synchronous pipeline (run by `fdg_jax.SyncPipeline`); None for a tick plan.
+  delayed: its gradients are stale (the staleness remedies and `staleness=auto` apply).
+  options: the keyword options it takes, of OPTIONS.
+  engines: the engines that run it, of ENGINES.
+  replicas: whether it runs as data-parallel replicas (DP x the schedule).
+  """
+  name: str
+  make_plan: Optional[Callable] = None
+  make_order: Optional[Callable] = None
+  delayed: bool = True
+  options: tuple = ("backward",)
+  engines: tuple = ("fused", "per_stage")
+  replicas: bool = True
+  description: str = ""
+
+  @property
+  def microbatched(self) -> bool:
+    return self.make_order is not None
+
+
+_REGISTRY: dict[str, ScheduleSpec] = {}
+
+
+def register(name: str, make_plan: Optional[Callable] = None, *, replace: bool = False,
+             **spec) -> ScheduleSpec:
+  """Declares a schedule by name, so that `fdg_jax.create(name, ...)`, `train.py
+  --config.algorithm=name` (with `--config.plan_module` naming the module that registers
+  it) and the benchmarks run it like a built-in.
+
+  `make_plan(num_stages, **options)` returns its `Plan`; or pass `make_order=` for a
+  synchronous pipeline of micro-batches. The other keywords are `ScheduleSpec`'s fields
+  (delayed, options, engines, replicas, description). Returns the spec.
+  """
+  if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+    raise ValueError(f"a schedule's name must be a plain word, got {name!r}")
+  if name in _REGISTRY and not replace:
+    raise ValueError(f"a schedule named {name!r} is registered already (replace=True to "
+                     "redefine it)")
+  sp = ScheduleSpec(name, make_plan, **spec)
+  if (sp.make_plan is None) == (sp.make_order is None):
+    raise ValueError(f"schedule {name!r}: give exactly one of make_plan (a tick plan) and "
+                     "make_order (micro-batch actions)")
+  bad = [o for o in sp.options if o not in OPTIONS] + [e for e in sp.engines
+                                                       if e not in ENGINES]
+  if bad:
+    raise ValueError(f"schedule {name!r}: unknown option(s) or engine(s) {bad}; options "
+                     f"are {OPTIONS}, engines {ENGINES}")
+  _REGISTRY[name] = sp
+  _PLAN_CACHE.clear()
+  return sp
+
+
+def spec(name: str) -> ScheduleSpec:
+  """The registered schedule `name` (ValueError naming the known ones)."""
+  try:
+    return _REGISTRY[name]
+  except (KeyError, TypeError):
+    raise ValueError(f"no schedule named {name!r}; known: {', '.join(names())}") from None
+
+
+def names(*, microbatched: Optional[bool] = None, delayed: Optional[bool] = None) -> tuple:
+  """The registered schedules' names, in registration order, optionally filtered."""
+  return tuple(n for n, s in _REGISTRY.items()
+               if (microbatched is None or s.microbatched == microbatched)
+               and (delayed is None or s.delayed == delayed))
+
+
+register("bp", lambda num_stages: bp(num_stages), delayed=False, options=("backward",),
+         description="backpropagation: the whole forward, then the whole backward")
+register("ddg", lambda num_stages: ddg(num_stages), options=("backward",),
+         description="decoupled backward, delay K-1-k (Huo et al. 2018)")
+register("fdg", lambda num_stages: fdg(num_stages), options=("beta", "shrink_at", "backward"),
+         engines=ENGINES, description="forward, backward and update decoupled, delay "
+                                      "2(K-1-k), gradient shrinking (Zhuang et al. 2021)")
+register("gpipe", make_order=gpipe_order, delayed=False, options=("microbatches",),
+         replicas=False, description="synchronous pipeline, all forwards then all backwards")
+register("1f1b", make_order=one_f_one_b_order, delayed=False, options=("microbatches",),
+         replicas=False, description="synchronous pipeline, one forward one backward")
 
 
 def peak_stash(order: list[tuple]) -> int:

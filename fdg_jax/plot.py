@@ -30,7 +30,7 @@ def load_run(run_dir: str) -> tuple[str, list[dict]]:
     with open(config_path) as f:
       c = json.load(f)
     label = f"{c.get('algorithm', '?').upper()} K={c.get('num_stages', '?')}"
-    if c.get("algorithm") == "fdg" and c.get("beta", 1.0) != 1.0:
+    if c.get("beta", 1.0) != 1.0:  # only a schedule that takes beta runs with one
       label += f" β={c['beta']:g}"
     label += f" seed={c.get('seed', 0)}"
   return label, records

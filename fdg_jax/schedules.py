@@ -79,7 +79,7 @@ from fdg_jax.stages import Residuals, Stage, stage_key as _stage_key, training_v
 from fdg_jax.telemetry import Telemetry
 
 PyTree = Any
-ALGORITHMS = ("bp", "ddg", "fdg")
+ALGORITHMS = plans_lib.names(microbatched=False)  # the built-in tick plans (bp, ddg, fdg)
 BACKWARD_POLICIES = ("stash", "recompute")
 SHRINK_AT = ("gradient", "update")  # where FDG's beta scales stage k: its gradient or update
 ENGINES = ("auto", "fused", "per_stage", "spmd")
@@ -162,8 +162,11 @@ class Schedule(Telemetry):
                engine: str = "auto", scan: bool | None = None, telemetry: bool = False,
                compiler_options: dict | None = None, ring_heads: bool | None = None,
                gate: str | None = None):
-    if isinstance(algorithm, str) and algorithm not in ALGORITHMS:
-      raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    if isinstance(algorithm, str) and (algorithm not in plans_lib.names()
+                                       or plans_lib.spec(algorithm).microbatched):
+      raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                       f"{plans_lib.names(microbatched=False)} (or register one: "
+                       "fdg_jax.plans.register)")
     if backward not in BACKWARD_POLICIES:
       raise ValueError(f"unknown backward policy {backward!r}; choose one of {BACKWARD_POLICIES}")
     if engine not in ENGINES:
@@ -184,7 +187,7 @@ class Schedule(Telemetry):
     self.plan = (plans_lib.plan(algorithm, len(stages)) if isinstance(algorithm, str)
                  else algorithm)
     if not isinstance(self.plan, plans_lib.Plan):
-      raise TypeError(f"algorithm must be a name of {ALGORITHMS} or a plans.Plan, got "
+      raise TypeError(f"algorithm must be a registered schedule's name or a plans.Plan, got "
                       f"{type(algorithm).__name__}")
     if self.plan.num_stages != len(stages):
       raise ValueError(f"the plan {self.plan.name!r} is for {self.plan.num_stages} stages, "
@@ -1173,17 +1176,30 @@ def fdg(stages, loss_fn, optimizer, *, beta=1.0, backward="stash", **kwargs) -> 
   return Schedule("fdg", stages, loss_fn, optimizer, beta=beta, backward=backward, **kwargs)
 
 
+# The value of each schedule option that means "not used" (plans.OPTIONS).
+_OPTION_OFF = {"beta": 1.0, "shrink_at": "gradient", "backward": "stash", "microbatches": 1}
+_OPTION_WHAT = {"beta": "gradient shrinking", "shrink_at": "where beta applies",
+                "backward": "the stash policy", "microbatches": "splitting the batch"}
+
+
 def create(algorithm: str, stages, loss_fn, optimizer, **kwargs):
-  """`bp`, `ddg`, `fdg`, `gpipe` or `1f1b` by name (`beta` is accepted only by fdg;
-  `microbatches=M` by gpipe and 1f1b, which return a `pipelines.SyncPipeline`)."""
+  """A registered schedule by name (`fdg_jax.plans.names()`: bp, ddg, fdg, gpipe, 1f1b and
+  any registered with `fdg_jax.plans.register`). Each takes the options its spec lists
+  (beta and shrink_at: fdg; backward: ddg and fdg; microbatches: gpipe and 1f1b, which
+  return a `pipelines.SyncPipeline`)."""
   from fdg_jax import pipelines
-  if algorithm in pipelines.SYNC_PLANS:
+  if algorithm not in plans_lib.names():
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                     f"{', '.join(plans_lib.names())} (or register one: "
+                     "fdg_jax.plans.register)")
+  sp = plans_lib.spec(algorithm)
+  for option in plans_lib.OPTIONS:
+    if (option in kwargs and option not in sp.options
+        and kwargs[option] != _OPTION_OFF[option]):
+      takers = [n for n in plans_lib.names() if option in plans_lib.spec(n).options]
+      raise ValueError(f"{option} is an option of {' and '.join(takers)} "
+                       f"({_OPTION_WHAT[option]}); {algorithm} takes none")
+  if sp.microbatched:
     return pipelines.SyncPipeline(algorithm, stages, loss_fn, optimizer, **kwargs)
-  if "microbatches" in kwargs:
-    raise ValueError(f"microbatches is an option of gpipe and 1f1b; {algorithm} splits no "
-                     "batch")
-  if algorithm != "fdg" and kwargs.get("beta", 1.0) != 1.0:
-    raise ValueError(f"beta (gradient shrinking) is an FDG option; {algorithm} takes none")
-  if algorithm != "fdg" and kwargs.get("shrink_at", "gradient") != "gradient":
-    raise ValueError(f"shrink_at is an FDG option (where beta applies); {algorithm} takes none")
+  kwargs.pop("microbatches", None)
   return Schedule(algorithm, stages, loss_fn, optimizer, **kwargs)

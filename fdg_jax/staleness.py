@@ -95,6 +95,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fdg_jax import plans
 from fdg_jax.optimizers import basis_rotation, nadam_warmup  # noqa: F401 (re-exported)
 
 METHODS = ("none", "lr_by_delay", "weight_prediction", "spike_compensation", "dc",
@@ -573,7 +574,6 @@ ROTATED = AUTO_ADAM["optimizer"]
 ADAM_FAMILY = ("adam", "adamw", "nadam_warmup", ROTATED)
 SGD_MOMENTUM = 0.9  # the only SGD momentum of the study (the MLP, heavy ball)
 STUDIED_K = (4, 8)
-NO_DELAY = ("bp", "gpipe", "1f1b")
 _ADAM_REMEDY = {k: v for k, v in AUTO_ADAM.items() if k != "optimizer"}
 
 
@@ -684,8 +684,9 @@ def recommend(optimizer: str, algorithm: str, *, num_stages: int, momentum: floa
   lacking = sorted(set(hparams) - set(inspect.signature(basis_rotation).parameters))
   blocked = (f"{ROTATED}, the study's optimiser for {optimizer}, has no parameter "
              f"{', '.join(lacking)}: set the optimiser and staleness by hand")
-  if algorithm in NO_DELAY or num_stages == 1:
-    why = f"{algorithm}{'' if algorithm in NO_DELAY else ' K=1'}: no delay to correct"
+  delayed = plans.spec(algorithm).delayed
+  if not delayed or num_stages == 1:
+    why = f"{algorithm}{' K=1' if delayed else ''}: no delay to correct"
     if swappable and not lacking:
       return {"optimizer": ROTATED, "staleness": "none"}, (
           f"staleness=auto: none ({why}); optimizer {optimizer} -> {ROTATED} (the study's "

@@ -30,12 +30,11 @@ import optax
 
 import fdg_jax
 from fdg_jax import data as data_lib
-from fdg_jax import models, partition, precision, runtime, staleness
+from fdg_jax import models, partition, plans, precision, runtime, staleness
 from fdg_jax.runtime import arrays as runtime_arrays
 from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
                                   optimizer_hparams, validate, validate_fields, validate_model)
 from fdg_jax.optim import learning_rate_schedule, make_optimizer
-from fdg_jax.pipelines import SYNC_PLANS
 from fdg_jax.runtime.watchdog import StallWatchdog
 
 CHECKPOINT_DIR = "checkpoints"
@@ -300,15 +299,14 @@ def make_schedule(config, stages, steps_per_epoch: int, placement: dict | None =
 
   kwargs = dict(placement or choose_placement(config.num_stages, config.num_replicas,
                                               config.get("engine", "auto")))
-  if config.algorithm in SYNC_PLANS:  # GPipe, 1F1B: micro-batches, no delay
-    kwargs = {k: v for k, v in kwargs.items() if k in ("devices", "engine")}
-    kwargs["microbatches"] = config.get("microbatches", 1)
+  spec = plans.spec(config.algorithm)
+  # The schedule's own options (its registry spec), from the config fields of those names.
+  kwargs.update({option: config.get(option, default) for option, default in
+                 (("beta", 1.0), ("shrink_at", "gradient"), ("backward", "stash"),
+                  ("microbatches", 1)) if option in spec.options})
+  if spec.microbatched:  # a synchronous pipeline: no mesh, no telemetry, no gate
+    kwargs = {k: v for k, v in kwargs.items() if k in ("devices", "engine", *spec.options)}
   else:
-    if config.algorithm == "fdg":
-      kwargs["beta"] = config.beta
-      kwargs["shrink_at"] = config.get("shrink_at", "gradient")
-    if config.algorithm != "bp":
-      kwargs["backward"] = config.backward
     kwargs["telemetry"] = config.get("telemetry_every_steps", 0) > 0
     if config.get("gate", "auto") != "auto":
       kwargs["gate"] = config.gate
@@ -915,7 +913,7 @@ def _mean(total, count):
 
 def _run_label(config) -> str:
   label = f"{config.algorithm.upper()} K={config.num_stages}"
-  if config.algorithm == "fdg" and config.beta != 1.0:
+  if config.beta != 1.0:  # only a schedule that takes beta gets past validation with one
     label += f" beta={config.beta:g}"
   return f"{label} {config.model} on {config.dataset}"
 

@@ -151,5 +151,5 @@ def test_shrinking_at_the_update_is_a_per_stage_learning_rate_scale(path):
                                 params, states, data)
   assert_trees_close(grad, plain, atol=1e-4)
   assert not np.allclose(np.asarray(got[0]["w"]), np.asarray(plain[0]["w"]), atol=1e-4)
-  with pytest.raises(ValueError, match="shrink_at is an FDG option"):
+  with pytest.raises(ValueError, match="shrink_at is an option of fdg "):
     fdg_jax.create("ddg", stages_of(applies), loss_fn, optax.adam(1e-2), shrink_at="update")

@@ -28,6 +28,8 @@ import argparse
 import statistics
 import time
 
+from fdg_jax import plans
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m fdg_jax.bench concurrency",
@@ -38,7 +40,7 @@ def parse_args(argv=None):
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--ticks", type=int, default=10, help="timed steady-state ticks")
   p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is printed")
-  p.add_argument("--algorithm", default="fdg", choices=["bp", "ddg", "fdg"])
+  p.add_argument("--algorithm", default="fdg", choices=list(plans.names(microbatched=False)))
   p.add_argument("--cpu-devices", type=int, default=4)
   return p.parse_args(argv)
 
@@ -64,7 +66,7 @@ def build(name: str, num_stages: int, batch_size: int, algorithm: str, devices):
   y = rng.randint(0, model.num_classes, batch_size).astype(np.int32)
   loss = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
       logits, labels).mean()
-  kwargs = {"beta": 1.0} if algorithm == "fdg" else {}
+  kwargs = {}
   sched = fdg_jax.create(algorithm, stages, loss, optax.sgd(0.01, momentum=0.9),
                          devices=[devices[k % len(devices)] for k in range(num_stages)],
                          engine="per_stage", **kwargs)

@@ -51,9 +51,11 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-ALGORITHMS = ("bp", "ddg", "fdg")  # the default of --algorithms
-SYNC = ("gpipe", "1f1b")  # the synchronous pipelines
-PLANS = ALGORITHMS + SYNC  # every schedule `throughput` can run
+from fdg_jax import plans as plans_lib
+
+ALGORITHMS = plans_lib.names(microbatched=False)  # the tick plans: the default of --algorithms
+SYNC = plans_lib.names(microbatched=True)  # the synchronous pipelines
+PLANS = ALGORITHMS + SYNC  # every schedule `throughput` can run (as registered at import)
 POLICIES = ("stash", "recompute")
 
 # Memory presets: (model, model kwargs, input shape or None for the model's, batch size).
@@ -201,9 +203,16 @@ def make_schedule(algorithm, stages, *, backward="stash", devices=None, engine="
                           engine=engine, microbatches=microbatches)
   kwargs = {"devices": devices, "engine": engine, "compiler_options": compiler_options,
             "mesh": mesh, "gate": gate}
-  if algorithm != "bp":
+  if "backward" in plans_lib.spec(algorithm).options:
     kwargs["backward"] = backward
   return fdg_jax.create(algorithm, stages, loss_fn, optimizer(), **kwargs)
+
+
+def _with_backward(algorithms) -> list[str]:
+  """Those of `algorithms` whose backward policy matters: the delayed tick plans (BP's one
+  slot is read within its tick)."""
+  return [a for a in algorithms if plans_lib.spec(a).delayed
+          and not plans_lib.spec(a).microbatched and "backward" in plans_lib.spec(a).options]
 
 
 def prepare(schedule, params, states, batch, warmup: int | None = None,
@@ -369,7 +378,8 @@ def bench_throughput(args, model) -> list[dict]:
       entries.append(prepare(schedule, params, states, batch))
       rows.append({
           "algorithm": algorithm, "num_stages": K, "boundaries": bounds, "placement": where,
-          "backward": args.backward if algorithm in ("ddg", "fdg") else None,
+          "backward": (args.backward if "backward" in plans_lib.spec(algorithm).options
+                       else None),
           "microbatches": M, "host_calls_per_tick": host_calls_per_tick(schedule),
           "peak_stash": list(schedule.ring_sizes),
           "batch_size": args.batch_size, "ticks": args.ticks, "repeats": args.repeats})
@@ -443,7 +453,7 @@ def bench_overhead(args, model) -> list[dict]:
     bases.append(base)
     for K in Ks:
       _, stages, params, states = split[K]
-      variants = [("bp", None)] + [(a, p) for a in ("ddg", "fdg") if a in args.algorithms
+      variants = [("bp", None)] + [(a, p) for a in _with_backward(args.algorithms)
                                    for p in POLICIES]
       for algorithm, policy in variants:
         schedule = make_schedule(algorithm, stages, backward=policy or "stash", devices=None,
@@ -538,8 +548,9 @@ def bench_dispatch(args) -> list[dict]:
       for where, label, engine in places:
         batch = random_batch(model, batch_size, _first_place(where))
         for algorithm in args.algorithms:
-          if (engine == "spmd" and algorithm != "fdg") or algorithm in SYNC:
-            continue  # SPMD: FDG only; GPipe and 1F1B: throughput only
+          spec = plans_lib.spec(algorithm)
+          if engine not in spec.engines or spec.microbatched:
+            continue  # an engine it does not run on; GPipe and 1F1B: throughput only
           schedule = make_schedule(algorithm, stages, engine=engine, **where)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))
           rows.append({"algorithm": algorithm, "num_stages": K, "placement": label,
@@ -619,7 +630,7 @@ def bench_memory(args) -> list[dict]:
                   for b in bounds]
       batch = (_jax().numpy.zeros(x.shape, x.dtype),
                _jax().numpy.zeros((batch_size,), _jax().numpy.int32))
-      for algorithm in ("ddg", "fdg"):
+      for algorithm in _with_backward(ALGORITHMS):
         for policy in POLICIES:
           schedule = make_schedule(algorithm, stages, backward=policy, devices=None)
           state = schedule.init(params, states, example_batch=batch)
