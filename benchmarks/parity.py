@@ -128,6 +128,8 @@ def run_one(base, workroot: str, name: str, **fields) -> dict:
     result = trainer.train_and_evaluate(config, workdir)
     record.update(test_accuracy=result["test_accuracy"], test_loss=result["test_loss"],
                   wall_time=result["wall_time"])
+    if "test_loss_se" in result:
+      record["test_loss_se"] = result["test_loss_se"]
   except trainer.DivergedError as e:
     record.update(diverged=True, error=str(e), test_accuracy=float("nan"),
                   test_loss=float("nan"), wall_time=time.time() - start)
@@ -140,6 +142,7 @@ def run_one(base, workroot: str, name: str, **fields) -> dict:
           r = json.loads(line)
           curve.append({k: r[k] for k in ("epoch", "test_accuracy", "test_loss", "train_loss",
                                           "wall_time")})
+          curve[-1].update({k: r[k] for k in ("step", "test_loss_se") if k in r})
   record["curve"] = curve
   print(f"  {name:40s} acc {record['test_accuracy']:.4f}  wall {record['wall_time']:6.1f} s"
         + ("  DIVERGED" if record["diverged"] else ""), flush=True)

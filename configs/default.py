@@ -91,6 +91,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0                   # parameters, data order and dropout
   c.checkpoint_every_steps = 500  # ticks between checkpoints (also at the end and on SIGTERM)
   c.eval_every_epochs = 1      # epochs between evaluations on the test split
+  c.eval_every_steps = 0       # >0: also every N steps (a finer test curve; 0: off)
   c.log_every_steps = 50       # ticks between training-loss rows of metrics.jsonl
   c.num_cpu_devices = 4        # on CPU: devices to create so stages can be placed apart
   c.engine = "auto"            # auto | fused (all stages in one program on one device) |

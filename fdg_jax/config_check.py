@@ -171,6 +171,9 @@ def validate_fields(config) -> None:
               "eval_batch_size", "ticks_per_call"):
     if key in config and (not isinstance(config[key], int) or config[key] < 1):
       _fail(f"{key}={config[key]} must be an integer >= 1")
+  every = config.get("eval_every_steps", 0)
+  if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+    _fail(f"eval_every_steps={every!r} must be an integer >= 0 (0: evaluate by epochs only)")
   for key in ("stall_timeout_s", "stall_first_tick_s"):
     if key in config and (isinstance(config[key], bool)
                           or not isinstance(config[key], (int, float)) or config[key] < 0):

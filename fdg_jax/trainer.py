@@ -430,11 +430,14 @@ def evaluate(schedule, state, iterator, keys=("image", "label")) -> dict:
 
   Labels may carry extra axes (a language model's [B, T] targets): every position counts,
   and the loss is the mean per position (tokens), with `test_perplexity` = exp(loss).
+  `test_loss_se`: the standard error of the mean loss over the examples (a sequence counts
+  once, its loss the mean over its tokens), for choosing between runs on held-out data.
   With several processes every process reads whole test batches and feeds stage 0 its
   rows of them; the logits are fetched to every process, so that each computes the
   metrics of the whole test set.
   """
   total_loss = correct = count = 0.0
+  rows = row_sum = row_sq = 0.0  # per example (a sequence: its mean per token) losses
   per_token = False
   for batch in iterator:
     x = batch[keys[0]]
@@ -449,9 +452,17 @@ def evaluate(schedule, state, iterator, keys=("image", "label")) -> dict:
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - logits[np.arange(len(labels)), labels]
     total_loss += float((nll * mask).sum())
+    per_row = nll.reshape(len(batch[keys[1]]), -1).mean(-1)
+    real = np.asarray(batch.get("mask", np.ones(len(per_row))), np.float64)
+    rows += float(real.sum())
+    row_sum += float((per_row * real).sum())
+    row_sq += float((per_row ** 2 * real).sum())
     correct += float(((logits.argmax(-1) == labels) * mask).sum())
     count += float(mask.sum())
   out = {"test_loss": total_loss / max(count, 1), "test_accuracy": correct / max(count, 1)}
+  if rows > 1:  # the standard error of the mean loss over examples (sequences)
+    mean = row_sum / rows
+    out["test_loss_se"] = float(np.sqrt(max(row_sq / rows - mean ** 2, 0.0) / (rows - 1)))
   if per_token:
     out["test_perplexity"] = float(np.exp(out["test_loss"]))
   return out
@@ -728,6 +739,8 @@ class TrainingLoop:
     evaluation or checkpoint step (where the loop acts between calls)."""
     c, step = self.config, self.step
     every = [c.log_every_steps, c.checkpoint_every_steps, self.run.steps_per_epoch]
+    if c.get("eval_every_steps", 0) > 0:
+      every.append(c.eval_every_steps)
     if self.telemetry_every:
       every.append(self.telemetry_every)
     return min([self.ticks_per_call, self.run.total_steps - step]
@@ -812,7 +825,9 @@ class TrainingLoop:
 
   def evaluation_due(self) -> bool:
     epoch = self.step // self.run.steps_per_epoch
+    every = self.config.get("eval_every_steps", 0)
     return ((self._end_of_epoch() and epoch % self.config.eval_every_epochs == 0)
+            or (every > 0 and self.step % every == 0)
             or self.step == self.run.total_steps)
 
   def evaluate_and_record(self) -> None:

@@ -17,7 +17,7 @@ from fdg_jax import trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 METRIC_KEYS = {"epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
-               "learning_rate", "samples_per_second", "wall_time"}
+               "learning_rate", "samples_per_second", "wall_time", "test_loss_se"}
 
 
 def load_config(name="default.py", arg=None):
@@ -67,6 +67,46 @@ def test_train_and_evaluate_on_digits(algorithm, tmp_path):
   assert json.load(open(tmp_path / "config.json"))["algorithm"] == algorithm
   assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
   assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_eval_every_steps_adds_evaluations_between_epochs(tmp_path):
+  c = tiny_config(algorithm="fdg", num_epochs=2, eval_every_steps=10)
+  trainer.train_and_evaluate(c, str(tmp_path))
+  steps_per_epoch = 1437 // 64
+  assert [r["step"] for r in read_metrics(tmp_path)] == [10, 20, 22, 30, 40, 44]
+  assert steps_per_epoch == 22
+
+
+class _FixedLogits:
+  """A schedule whose evaluation returns given logits, row by row of the batch fed."""
+
+  num_stages, placement = 1, None
+
+  def __init__(self, logits):
+    self.logits, self.at = logits, 0
+
+  def evaluate(self, state, x):
+    out = self.logits[self.at:self.at + len(x)]
+    self.at += len(x)
+    return out
+
+
+def test_the_loss_standard_error_is_over_examples(monkeypatch):
+  # Sequences of 5 tokens: each example's loss is the mean over its tokens; the standard
+  # error is that of the mean of the real (unmasked) examples' losses.
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(7, 5, 11)).astype(np.float32)
+  labels = rng.integers(0, 11, size=(7, 5)).astype(np.int32)
+  mask = np.array([1, 1, 1, 1, 1, 1, 0], np.float32)  # the padded last row
+  monkeypatch.setattr(trainer, "_fed_rows", lambda schedule, n: slice(0, n))
+  batches = [{"image": np.zeros((4, 1)), "label": labels[:4], "mask": mask[:4]},
+             {"image": np.zeros((3, 1)), "label": labels[4:], "mask": mask[4:]}]
+  out = trainer.evaluate(_FixedLogits(logits), None, iter(batches))
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, labels[..., None], -1)[..., 0].astype(np.float64)
+  per_example = nll.mean(-1)[:6]
+  assert out["test_loss"] == pytest.approx(per_example.mean(), rel=1e-6)
+  assert out["test_loss_se"] == pytest.approx(per_example.std(ddof=0) / np.sqrt(5), rel=1e-6)
 
 
 def test_train_on_tfds_dataset_under_mock_data(tmp_path):
