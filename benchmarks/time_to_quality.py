@@ -41,6 +41,9 @@ from parity import ROOT, load_config, run_one, validation_split  # noqa: E402
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "time_to_quality.json"
 
 
+JOIN = " & "  # two remedy candidates run together (round 2 of the remedies)
+
+
 class ProtocolError(Exception):
   """Records or arguments that do not belong to the protocol's part."""
 
@@ -72,8 +75,13 @@ def _worker(task: dict) -> dict:
       if key == "model_kwargs" and "widths" in value:
         value["widths"] = tuple(value["widths"])
       config[key] = ml_collections.ConfigDict(value)
-  held = validation_split(task["held_out"]["fraction"], task["held_out"]["seed"]) \
-      if task["split"] == "held_out" else _nothing()
+  if task["split"] != "held_out":
+    held = _nothing()
+  elif "text_offset" in task["held_out"]:  # the training bytes after those trained on
+    from delay_robust import text_validation_split
+    held = text_validation_split(task["held_out"]["text_offset"], task["held_out"]["text_bytes"])
+  else:
+    held = validation_split(task["held_out"]["fraction"], task["held_out"]["seed"])
   try:
     with held:
       record = run_one(config, task["workroot"], task["key"], **fields)
@@ -157,21 +165,37 @@ class Study:
 
   # -- tasks --
   def fields(self, schedule: str, lr_mult: float, remedy: str | None, seed: int,
-             epochs_factor: float = 1.0) -> dict:
+             epochs_factor: float = 1.0, epochs: int | None = None) -> dict:
+    """A run's config fields. `remedy`: a candidate's name, or two joined by JOIN. A part
+    with horizons runs `epochs` epochs (default: its selection_epochs) and sets each field
+    under "fractions" to that fraction of them."""
     spec = self.spec
     f = {**copy.deepcopy(spec["fields"]), **spec["schedules"][schedule], "seed": seed}
-    f["learning_rate"] = spec["fields"]["learning_rate"] * lr_mult
-    if remedy:
-      f.update(spec["remedies"][schedule][remedy])
-    if epochs_factor != 1.0:
+    f["learning_rate"] = (spec["fields"]["learning_rate"]
+                          * spec.get("lr_base", {}).get(schedule, 1.0) * lr_mult)
+    fractions = dict(spec.get("fractions", {}))
+    for name in (remedy.split(JOIN) if remedy else ()):
+      r = copy.deepcopy(spec["remedies"][schedule][name])
+      fractions.update(r.pop("fractions", {}))
+      if "staleness" in r and f.get("staleness", "none") != "none":
+        r["staleness"] = f"{f['staleness']}+{r['staleness']}"  # two methods, combined
+      f.update(r)
+    if "horizons" in spec:
+      f["num_epochs"] = int(epochs if epochs is not None else spec["selection_epochs"])
+      f.update({k: v * f["num_epochs"] for k, v in fractions.items()})
+    elif epochs_factor != 1.0:
       epochs = int(round(f["num_epochs"] * epochs_factor))
       f.update(num_epochs=epochs)
     return f
 
-  def task(self, split: str, schedule, lr_mult, remedy, seed, epochs_factor=1.0) -> dict:
-    fields = self.fields(schedule, lr_mult, remedy, seed, epochs_factor)
+  def task(self, split: str, schedule, lr_mult, remedy, seed, epochs_factor=1.0,
+           epochs=None) -> dict:
+    fields = self.fields(schedule, lr_mult, remedy, seed, epochs_factor, epochs)
+    if split == "test":
+      fields.update(self.spec.get("test_fields", {}))
     what = (f"{split} {schedule} lr x{lr_mult:g} {remedy or 'plain'} seed {seed}"
-            + (f" x{epochs_factor:g} epochs" if epochs_factor != 1.0 else ""))
+            + (f" x{epochs_factor:g} epochs" if epochs_factor != 1.0 else "")
+            + (f" {epochs} epochs" if epochs is not None else ""))
     return {"key": config_key({"split": split, "fields": fields,
                                "held_out": self.spec["held_out"]}),
             "split": split, "what": what, "fields": fields, "config": self.spec["config"],
@@ -189,12 +213,20 @@ class Study:
     return self.task("held_out", schedule, lr_mult, remedy, self.spec["selection_seed"])
 
   # -- scores --
+  @property
+  def by_loss(self) -> bool:
+    return self.spec.get("score", "accuracy") == "loss"
+
   def score(self, r: dict) -> float:
-    if r["diverged"] or r["test_accuracy"] is None or math.isnan(r["test_accuracy"]):
+    """Higher is better: the held-out accuracy, or minus the held-out loss."""
+    value = r["test_loss"] if self.by_loss else r["test_accuracy"]
+    if r["diverged"] or value is None or math.isnan(value):
       return -math.inf
-    return r["test_accuracy"]
+    return -value if self.by_loss else value
 
   def standard_error(self, r: dict) -> float:
+    if self.by_loss:  # over the held-out sequences (trainer's test_loss_se); 0 if diverged
+      return 0.0 if r["diverged"] else float(r.get("test_loss_se") or 0.0)
     n = _held_out_size(self.spec)
     p = r["test_accuracy"] if not r["diverged"] else 0.5
     return math.sqrt(max(p * (1 - p), 1e-12) / n)
@@ -231,11 +263,42 @@ class Study:
               for i, r in enumerate(remedies)]
     score, _, best = max(scored)
     margin, se = score - self.score(plain), self.standard_error(plain)
-    if margin > se:
+    if margin <= se:
+      self.log.append(f"{schedule}: best remedy {best} beat plain by {margin:.4f}, not more "
+                      f"than the standard error {se:.4f}: plain")
+      return None
+    if not self.spec.get("combine"):
       return best
-    self.log.append(f"{schedule}: best remedy {best} beat plain by {margin:.4f}, not more "
-                    f"than the standard error {se:.4f}: plain")
-    return None
+    # Round 2: the winner with each other candidate that also beat the plain run.
+    winners = [r for sc, _, r in scored if r != best and sc - self.score(plain) > se]
+    pairs = [f"{best}{JOIN}{r}" for r in winners if self.compatible(schedule, best, r)]
+    if not pairs:
+      return best
+    self.run([self.held_out(schedule, lr_mult, p) for p in pairs])
+    top = self.record(self.held_out(schedule, lr_mult, best))
+    score2, _, pair = max((self.score(self.record(self.held_out(schedule, lr_mult, p))), -i, p)
+                          for i, p in enumerate(pairs))
+    margin2, se2 = score2 - self.score(top), self.standard_error(top)
+    if margin2 > se2:
+      return pair
+    self.log.append(f"{schedule}: best pair {pair} beat {best} by {margin2:.4f}, not more "
+                    f"than the standard error {se2:.4f}: {best}")
+    return best
+
+  def compatible(self, schedule: str, a: str, b: str) -> bool:
+    """Whether candidates a and b can run together: no field set by both, but two
+    staleness methods, which combine unless one is auto."""
+    ra, rb = (self.spec["remedies"][schedule][n] for n in (a, b))
+    if "auto" in (ra.get("staleness"), rb.get("staleness")):
+      # auto decides from the rest of the config (it declines under beta != 1, say): it
+      # joins only a candidate that sets nothing but fractions of the run (a warm-up)
+      other = rb if ra.get("staleness") == "auto" else ra
+      return set(other) <= {"fractions"}
+    keys = lambda r: set(r) - {"fractions"} | {f"fractions.{k}" for k in r.get("fractions", {})}
+    shared = keys(ra) & keys(rb)
+    if shared == {"staleness"}:
+      return "auto" not in (ra["staleness"], rb["staleness"])
+    return not shared
 
   def select(self) -> dict:
     for schedule in self.spec["schedules"]:
@@ -245,6 +308,8 @@ class Study:
 
   # -- the test runs --
   def test_tasks(self) -> dict:
+    if "horizons" in self.spec:
+      return self.horizon_tasks()
     factor = self.spec["horizon_factor"]
     out = {}
     for schedule, c in self.chosen.items():
@@ -254,6 +319,27 @@ class Study:
       if schedule != "BP":
         out[schedule]["long"] = [self.task("test", schedule, c["lr_mult"], c["remedy"], s,
                                            factor) for s in seeds]
+    return out
+
+  def horizon_tasks(self) -> dict:
+    """{schedule: {"equal@h": tasks, "long@h": tasks (delayed), "auto@H": tasks}}: each
+    chosen setting at each horizon of h epochs and, delayed, at horizon_factor x h; and
+    staleness=auto at the longest horizon where auto is not the chosen remedy."""
+    spec, out = self.spec, {}
+    seeds, factor = spec["test_seeds"], spec["horizon_factor"]
+    longest = max(spec["horizons"])
+    for schedule, c in self.chosen.items():
+      cell = out[schedule] = {}
+      for h in spec["horizons"]:
+        cell[f"equal@{h}"] = [self.task("test", schedule, c["lr_mult"], c["remedy"], s,
+                                        epochs=h) for s in seeds]
+        if schedule != "BP":
+          cell[f"long@{h}"] = [self.task("test", schedule, c["lr_mult"], c["remedy"], s,
+                                         epochs=int(round(factor * h))) for s in seeds]
+      if (schedule != "BP" and "auto" in spec["remedies"].get(schedule, {})
+          and c["remedy"] != "auto"):
+        cell[f"auto@{longest}"] = [self.task("test", schedule, c["lr_mult"], "auto", s,
+                                             epochs=longest) for s in seeds]
     return out
 
   def test(self) -> dict:
@@ -322,6 +408,156 @@ def stage_parameters(spec: dict, num_stages: int) -> list[int]:
   import fdg_jax
   params, _ = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x)
   return [sum(int(np.size(a)) for a in jax.tree.leaves(p)) for p in params]
+
+
+# ------------------------------------------------------------------------------ horizons
+def text_steps_per_epoch(spec: dict) -> int:
+  """Steps of an epoch of the part's training bytes: windows of seq_len, whole batches."""
+  f = spec["fields"]
+  return ((f["text_max_bytes"] - 1) // f["seq_len"]) // f["batch_size"]
+
+
+def loss_curve(records: list[dict]) -> list[tuple[float, float]]:
+  """(step, mean test loss over the runs) at the evaluations every run made; [] if one
+  diverged."""
+  if any(r["diverged"] for r in records):
+    return []
+  steps = [{p["step"]: p["test_loss"] for p in r["curve"] if "step" in p} for r in records]
+  common = sorted(set.intersection(*map(set, steps))) if steps else []
+  return [(s, statistics.fmean(c[s] for c in steps)) for s in common]
+
+
+def steps_to_fall_to(curve: list[tuple[float, float]], target: float) -> float | None:
+  """The first step at which a loss `curve` (linear between points) falls to `target`."""
+  return steps_to_reach([(s, -v) for s, v in curve], -target)
+
+
+def stage_flops(spec: dict, num_stages: int) -> list[float]:
+  """Forward FLOPs of each stage of the part's model (XLA's cost analysis, one batch)."""
+  import ml_collections
+  import numpy as np
+  from fdg_jax import config_check, partition
+  config = load_config(str(ROOT / spec["config"]))
+  for key, value in spec["fields"].items():
+    config[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+  model = config_check.create_model(config)
+  f = spec["fields"]
+  x = np.zeros((f["batch_size"], f["seq_len"]), np.int32)
+  bounds = partition.boundaries(model, num_stages, f.get("split", "uniform"),
+                                example_input=x[:1])
+  costs = partition.block_costs(model, x, "flops", backward=False)
+  return [float(sum(costs[a:b])) for a, b in partition.stage_ranges(bounds, model.num_blocks)]
+
+
+def predicted_speedup_flops(spec: dict, schedule: str) -> float:
+  sched = spec["schedules"][schedule]
+  if sched["algorithm"] == "bp":
+    return 1.0
+  from fdg_jax.bench.schedules import predict
+  flops = stage_flops(spec, sched["num_stages"])
+  times = [{"forward_s": c, "backward_s": 2 * c, "tick_s": 3 * c} for c in flops]
+  return predict(times, [0.0] * (len(flops) - 1), microbatches=())[sched["algorithm"]][
+      "speedup"]
+
+
+def _ppl(records: list[dict]) -> tuple[float, float, int]:
+  """(mean, std of the test perplexities, runs that did not diverge)."""
+  ppl = [math.exp(r["test_loss"]) for r in records if not r["diverged"]]
+  if not ppl:
+    return math.nan, math.nan, 0
+  return statistics.fmean(ppl), (statistics.stdev(ppl) if len(ppl) > 1 else 0.0), len(ppl)
+
+
+def summarise_horizons(study: Study, tests: dict) -> dict:
+  """Per horizon: BP's final test loss and each schedule's equal-step perplexity gap, step
+  overhead and predicted speed-ups; and the staleness=auto runs (the protocol's rules)."""
+  spec = study.spec
+  spe = text_steps_per_epoch(spec)
+  speedups = {s: predicted_speedup_flops(spec, s) for s in spec["schedules"]}
+  out = {"steps_per_epoch": spe, "horizons": {}, "auto": {}}
+  for h in spec["horizons"]:
+    bp_runs = tests["BP"][f"equal@{h}"]
+    bp_loss = statistics.fmean(r["test_loss"] for r in bp_runs)
+    bp_ppl = _ppl(bp_runs)[0]
+    rows = {}
+    for schedule, cell in tests.items():
+      mean, std, runs = _ppl(cell[f"equal@{h}"])
+      row = {**study.chosen[schedule], "ppl": mean, "ppl_std": std, "runs": runs,
+             "seeds": len(cell[f"equal@{h}"]), "steps": h * spe}
+      if schedule != "BP":
+        reach = steps_to_fall_to(loss_curve(cell[f"long@{h}"]), bp_loss)
+        row.update(gap=mean / bp_ppl - 1, long_steps=int(round(spec["horizon_factor"] * h)) * spe,
+                   step_overhead=None if reach is None else reach / (h * spe),
+                   predicted_speedup=speedups[schedule])
+        row["time_to_quality_speedup"] = (None if reach is None else
+                                          speedups[schedule] / row["step_overhead"])
+      rows[schedule] = row
+    out["horizons"][str(h)] = {"bp_loss": bp_loss, "bp_ppl": bp_ppl, "bp_steps": h * spe,
+                               "rows": rows}
+  longest = str(max(spec["horizons"]))
+  for schedule, cell in tests.items():
+    for key, runs in cell.items():
+      if key.startswith("auto@"):
+        mean, std, n = _ppl(runs)
+        out["auto"][schedule] = {"ppl": mean, "ppl_std": std, "runs": n, "seeds": len(runs),
+                                 "lr_mult": study.chosen[schedule]["lr_mult"],
+                                 "gap": mean / out["horizons"][longest]["bp_ppl"] - 1,
+                                 "steps": int(key[5:]) * spe}
+  return out
+
+
+def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
+  lines = [f"<!-- time_to_quality {part}: written by `python benchmarks/time_to_quality.py "
+           f"--part {part} --report --markdown` -->",
+           "| steps | schedule | chosen (held-out) | test perplexity (mean ± std) | "
+           "equal-step gap | step overhead to BP's test loss | predicted speed-up | "
+           "predicted time-to-quality speed-up |", "|---|---|---|---|---|---|---|---|"]
+  fmt = lambda r: f"{r['ppl']:.3f} ± {r['ppl_std']:.3f}" + (
+      f" ({r['seeds'] - r['runs']} diverged)" if r["runs"] < r["seeds"] else "")
+  for h, block in summary["horizons"].items():
+    for schedule, r in block["rows"].items():
+      chosen = f"lr ×{r['lr_mult']:g}" + (f", {r['remedy']}" if r["remedy"] else "")
+      if schedule == "BP":
+        lines.append(f"| {r['steps']} | BP | {chosen} | {fmt(r)} | – | 1 | 1 | 1 |")
+        continue
+      over = (f"not reached in {r['long_steps']} steps" if r["step_overhead"] is None
+              else f"{r['step_overhead']:.2f}×")
+      ttq = ("–" if r["time_to_quality_speedup"] is None
+             else f"{r['time_to_quality_speedup']:.2f}×")
+      lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
+                   f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
+  for schedule, r in summary["auto"].items():
+    lines.append(f"| {r['steps']} | {schedule}, `staleness=auto` | lr ×{r['lr_mult']:g}, auto "
+                 f"| {fmt(r)} | {100 * r['gap']:+.1f}% | – | – | – |")
+  if log:
+    lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
+    lines += [f"- {entry}" for entry in log]
+  return "\n".join(lines)
+
+
+def plot_horizons(summary: dict, tests: dict, path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  horizons = list(summary["horizons"])
+  longest = horizons[-1]
+  fig, ax = plt.subplots(figsize=(6.4, 4.0))
+  for schedule, cell in tests.items():
+    curve = loss_curve(cell[f"equal@{longest}" if schedule == "BP" else f"long@{longest}"])
+    if curve:
+      ax.plot([s for s, _ in curve], [math.exp(v) for _, v in curve], label=schedule,
+              lw=2 if schedule == "BP" else 1.2)
+  for h in horizons:
+    b = summary["horizons"][h]
+    ax.plot([b["bp_steps"]], [b["bp_ppl"]], "k.", ms=8)
+    ax.axhline(b["bp_ppl"], color="0.6", ls=":", lw=0.8)
+  ax.set_xlabel("step")
+  ax.set_ylabel("test perplexity, mean over the test seeds")
+  ax.set_yscale("log")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 def summarise(study: Study, tests: dict) -> dict:
@@ -434,10 +670,15 @@ def main(argv=None) -> int:
   finally:
     if isinstance(runner, Runner):
       runner.close()
-  summary = summarise(study, tests)
-  text = markdown(args.part, summary, study.log)
+  horizons = "horizons" in study.spec
+  summary = (summarise_horizons if horizons else summarise)(study, tests)
+  text = (markdown_horizons if horizons else markdown)(args.part, summary, study.log)
   print(text)
-  if args.plot:
+  if args.plot and horizons:
+    plot_horizons(summary, tests, args.plot, f"{args.part}: test perplexity against steps "
+                  f"(BP's longest run, the delayed schedules' {study.spec['horizon_factor']:g}× "
+                  "longer one; dots: BP's final at each horizon)")
+  elif args.plot:
     plot(summary, tests, args.plot, f"{args.part}: test accuracy against steps (delayed "
          f"schedules at {study.spec['horizon_factor']:g}× BP's epochs)")
   if not args.report:

@@ -212,3 +212,131 @@ def test_the_docs_table_is_what_the_report_prints_from_the_committed_json():
   table = out.stdout.strip()
   assert table.startswith("<!-- time_to_quality fashion_mlp")
   assert table in DOCS.read_text(), "docs/staleness.md's table differs from the report"
+
+
+# ------------------------------------------------------------------------------ gpt_long
+# The GPT part chooses by held-out *loss* (lower is better), its tie margin the record's own
+# standard error, and runs a second round of remedies (pairs of round-1 winners).
+GPT = _protocol()["parts"]["gpt_long"]
+GSE = 0.01  # every held-out record's test_loss_se
+G_HELD = {"BP": {0.5: 1.30, 1.0: 1.20, 2.0: 1.195, 4.0: 1.25},  # x2 within one SE: x1
+          "DDG K=4": {0.5: 1.40, 1.0: 1.35, 2.0: 1.30, 4.0: 1.32},  # edge x4 tried: x2
+          "FDG K=4": {0.5: 1.40, 1.0: 1.45, 2.0: 1.50, 0.25: 1.42},  # x0.5
+          "FDG K=8": {0.5: 1.60, 1.0: 1.55, 2.0: 1.70}}
+# Round 1, relative to the plain run at the chosen lr (negative: better).
+G_HELD_REMEDY = {("DDG K=4", "auto"): -0.005,                   # within one SE: plain
+                 ("FDG K=4", "auto"): -0.05, ("FDG K=4", "warmup 1/3"): -0.03,
+                 ("FDG K=4", "weight_prediction"): -0.04,
+                 ("FDG K=8", "error_feedback 1"): -0.10, ("FDG K=8", "weight_prediction"): -0.02}
+# Round 2 pairs, relative to the plain run.
+G_HELD_PAIR = {("FDG K=4", "auto & warmup 1/3"): -0.07,         # beats auto by 2 SE: chosen
+               ("FDG K=8", "error_feedback 1 & weight_prediction"): -0.105}  # by < 1 SE
+G_EXPECTED = {"BP": {"lr_mult": 1.0, "remedy": None},
+              "DDG K=4": {"lr_mult": 2.0, "remedy": None},
+              "FDG K=4": {"lr_mult": 0.5, "remedy": "auto & warmup 1/3"},
+              "FDG K=8": {"lr_mult": 1.0, "remedy": "error_feedback 1"}}
+# The test surface prefers other choices everywhere: (schedule, mult, remedy) -> final loss
+# at the selection horizon; longer runs end lower.
+G_TEST = {"BP": {0.5: 1.10, 1.0: 1.20, 2.0: 1.30}, "DDG K=4": {1.0: 1.20, 2.0: 1.15, 4.0: 1.10},
+          "FDG K=4": {0.25: 1.20, 0.5: 1.50, 1.0: 1.25}, "FDG K=8": {0.5: 1.30, 1.0: 1.60, 2.0: 1.4}}
+
+
+def _gpt_schedule_and_remedy(f):
+  schedule = next(s for s, v in GPT["schedules"].items()
+                  if v["algorithm"] == f["algorithm"] and v["num_stages"] == f["num_stages"])
+  mult = round(f["learning_rate"] / (GPT["fields"]["learning_rate"]
+                                     * GPT["lr_base"][schedule]), 6)
+  names = []
+  for name, r in GPT["remedies"].get(schedule, {}).items():
+    fields = {k: v for k, v in r.items() if k != "fractions"}
+    st = fields.pop("staleness", None)
+    fractions_ok = all(abs(f.get(k, -1) - v * f["num_epochs"]) < 1e-9
+                       for k, v in r.get("fractions", {}).items())
+    if (fractions_ok and all(f.get(k) == v for k, v in fields.items())
+        and (st is None or st in f["staleness"].split("+"))):
+      names.append(name)
+  return schedule, mult, " & ".join(names) or None
+
+
+class FakeLossRunner(FakeRunner):
+  def __call__(self, tasks):
+    for t in tasks:
+      self.calls.append(t)
+      if t["key"] in self.records:
+        continue
+      f = t["fields"]
+      schedule, mult, remedy = _gpt_schedule_and_remedy(f)
+      if t["split"] == "held_out":
+        final = (G_HELD[schedule][mult] + G_HELD_REMEDY.get((schedule, remedy), 0.0)
+                 + G_HELD_PAIR.get((schedule, remedy), 0.0))
+      else:
+        final = (G_TEST[schedule].get(mult, 2.0) + (0.3 if remedy else 0.0)
+                 - 0.05 * math.log2(f["num_epochs"]) + 0.001 * f["seed"])
+      steps = f["num_epochs"] * 1500
+      curve = [{"epoch": s / 1500, "step": s, "test_loss": 3.0 + (final - 3.0) * s / steps,
+                "test_accuracy": 0.0, "train_loss": 1.0, "wall_time": 0.0}
+               for s in range(250, steps + 1, 250)]
+      self.records[t["key"]] = {"key": t["key"], "diverged": False, "test_accuracy": 0.0,
+                                "test_loss": final, "test_loss_se": GSE, "curve": curve,
+                                "split": t["split"], "fields": f,
+                                "protocol_sha256": t["protocol_sha256"]}
+
+
+def _gpt_study(runner=None):
+  runner = runner or FakeLossRunner()
+  return ttq.Study(_protocol(), "gpt_long", runner, runner.records), runner
+
+
+def test_gpt_choices_by_held_out_loss_with_pairs_and_the_tie_rule():
+  study, runner = _gpt_study()
+  assert study.select() == G_EXPECTED
+  assert all(t["split"] == "held_out" for t in runner.calls)
+  assert all(t["fields"]["num_epochs"] == GPT["selection_epochs"] for t in runner.calls)
+  assert any(line.startswith("BP: lr x2") for line in study.log)
+  assert any(line.startswith("DDG K=4: best remedy auto") for line in study.log)
+  assert any(line.startswith("FDG K=8: best pair") for line in study.log)
+  # Pairs never join auto with a candidate that sets more than a warm-up.
+  assert not any("auto & lr scale" in t["what"] or "auto & error" in t["what"]
+                 for t in runner.calls)
+
+
+def test_gpt_selection_on_test_records_changes_every_outcome():
+  study, _ = _gpt_study()
+  peeked = _choices_from_test(study)
+  for schedule, choice in G_EXPECTED.items():
+    assert peeked[schedule] != choice, schedule
+
+
+def test_gpt_horizons_overhead_and_auto_rows():
+  study, runner = _gpt_study()
+  study.select()
+  tests = study.test()
+  assert set(tests["BP"]) == {"equal@1", "equal@2", "equal@4"}
+  assert set(tests["DDG K=4"]) == {"equal@1", "equal@2", "equal@4", "long@1", "long@2",
+                                   "long@4", "auto@4"}
+  assert "auto@4" in tests["FDG K=8"] and "auto@4" in tests["FDG K=4"]
+  assert all(r["fields"]["eval_every_steps"] == 250 for cell in tests.values()
+             for runs in cell.values() for r in runs)
+  assert [r["fields"]["num_epochs"] for r in tests["FDG K=8"]["long@2"]] == [4, 4]
+  summary = ttq.summarise_horizons(study, tests)
+  block = summary["horizons"]["2"]
+  bp_loss = statistics_mean([1.20 - 0.05 * 1 + 0.001 * s for s in (0, 1)])
+  assert block["bp_loss"] == pytest.approx(bp_loss) and block["bp_steps"] == 3000
+  # DDG K=4 (x2, plain): its 4-epoch run ends at 1.15 - 0.10 (+ seed); linear from 3.0 over
+  # 6,000 steps, it falls to BP's loss at 6000 (3 - bp) / (3 - final).
+  final = statistics_mean([1.15 - 0.10 + 0.001 * s for s in (0, 1)])
+  expected = 6000 * (3.0 - bp_loss) / (3.0 - final) / 3000
+  assert block["rows"]["DDG K=4"]["step_overhead"] == pytest.approx(expected, rel=1e-6)
+  assert 1.0 < expected < 2.0
+  ppl = statistics_mean([math.exp(1.15 - 0.05 + 0.001 * s) for s in (0, 1)])
+  bp_ppl = statistics_mean([math.exp(1.20 - 0.05 + 0.001 * s) for s in (0, 1)])
+  assert block["rows"]["DDG K=4"]["gap"] == pytest.approx(ppl / bp_ppl - 1)
+  assert summary["auto"]["DDG K=4"]["steps"] == 6000
+  text = ttq.markdown_horizons("gpt_long", summary, study.log)
+  assert "| 3000 | DDG K=4 | lr ×2 |" in text and "`staleness=auto`" in text
+
+
+def test_steps_to_fall_to_a_loss():
+  curve = [(100, 3.0), (200, 2.0), (300, 1.0)]
+  assert ttq.steps_to_fall_to(curve, 1.5) == pytest.approx(250)
+  assert ttq.steps_to_fall_to(curve, 0.5) is None
