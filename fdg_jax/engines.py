@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fdg_jax import ring
 
@@ -74,6 +75,31 @@ class PerStageOps:
     # One batched device_put: its host cost per call dominates the dispatch of small stages.
     return self.schedule.placement.put_batches(messages)
 
+  # A plan that accumulates: each micro-batch action a jitted call on its stage's devices.
+  def _fn(self, key, make):
+    fns = self.schedule._step_fns
+    if key not in fns:
+      fns[key] = make()
+    return fns[key]
+
+  def forward_micro(self, k):
+    fn = self._fn(("F", k), lambda: jax.jit(functools.partial(self.schedule._micro_forward, k)))
+    return lambda s, x, t, m: fn(s, x, t, np.int32(m))
+
+  def last_micro(self):
+    fn = self._fn(("L",), lambda: jax.jit(self.schedule._micro_last))
+    return lambda s, x, y, t, m: fn(s, x, y, t, np.int32(m))
+
+  def backward_micro(self, k):
+    def b(vjp_fn, cot, acc):
+      acc, gx = self.schedule._micro_backward(vjp_fn, cot, acc)
+      return acc, (gx if k > 0 else None)
+    return self._fn(("B", k), lambda: jax.jit(b))
+
+  def apply_sum(self, k):
+    return self._fn(("U", k), lambda: jax.jit(functools.partial(self.schedule._apply_sum, k),
+                                              donate_argnums=0))
+
 
 class FusedOps:
   """The fused engine: each stage's work traced into one program; messages stay put.
@@ -99,6 +125,22 @@ class FusedOps:
 
   def move_all(self, messages):
     return [m for _, m in messages]
+
+  # A plan that accumulates: the micro-batch actions traced into the tick's program.
+  def forward_micro(self, k):
+    return functools.partial(self.schedule._micro_forward, k)
+
+  def last_micro(self):
+    return self.schedule._micro_last
+
+  def backward_micro(self, k):
+    def b(vjp_fn, cot, acc):
+      acc, gx = self.schedule._micro_backward(vjp_fn, cot, acc)
+      return acc, (gx if k > 0 else None)
+    return b
+
+  def apply_sum(self, k):
+    return functools.partial(self.schedule._apply_sum, k)
 
 
 class GatedOps(FusedOps):

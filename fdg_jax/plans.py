@@ -22,9 +22,13 @@ Every schedule is declared once, in the registry at the end of this module (`reg
 `spec`, `names`): its plan factory and what it accepts (options, engines, replicas, whether
 its gradients are delayed). Everything else that depends on a schedule's name reads it.
 
-GPipe and 1F1B, the synchronous pipelines, are plans of micro-batch actions per device
-(`microbatch_order`): F (forward of micro-batch m), B (its backward, gradients accumulated),
-then one update per stage at the end of the tick (`fdg_jax.pipelines`).
+A plan may split the tick's batch into M equal **micro-batches** (`Call.micro`): GPipe and
+1F1B, the synchronous pipelines, are plans of this kind, built from each device's order of
+micro-batch actions (`microbatch_order`): a forward of micro-batch m, its backward with the
+gradient accumulated (`Call.update` False), and after the tick's last backward one update
+call per stage (forward = backward = False), which applies the sum, as
+torch.distributed.pipelining's REDUCE_GRAD does. A plan that accumulates keeps its stash
+within the tick (nothing but parameters and optimizer states is carried between ticks).
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ SOURCES = ("batch", "now", "inbox")
 class Call:
   """One call of a stage in a tick: its backward and/or forward (see the module docstring).
 
-  For the last stage, forward = backward = True (loss, gradient, update) and cot is None."""
+  For the last stage, forward = backward = True (loss, gradient, update) and cot is None.
+  `micro`: the micro-batch the call works on (0 where the plan does not split the batch).
+  `update`: whether the backward applies its gradient at once (True) or adds it to the
+  tick's sum (False); a call with neither forward nor backward applies that sum (an update
+  call)."""
   stage: int
   forward: bool
   backward: bool
   act: Optional[str]   # where the forward's activation comes from (None: no forward)
   cot: Optional[str]   # where the backward's cotangent comes from (None: no backward / last)
+  micro: int = 0
+  update: bool = True
 
   def __post_init__(self):
     for name in ("act", "cot"):
@@ -54,14 +64,21 @@ class Call:
       if v is not None and v not in SOURCES:
         raise ValueError(f"Call.{name} must be one of {SOURCES} or None, got {v!r}")
 
+  @property
+  def applies_sum(self) -> bool:
+    """Whether this is an update call: it applies the gradients the stage accumulated."""
+    return not self.forward and not self.backward
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The calls of one tick, in order, for K stages (a tuple of `Call`; see the module
-  docstring)."""
+  docstring). `orders`: for a plan built from each device's order of micro-batch actions
+  (`synchronous`), those orders, [("F" | "B", m), ...] per stage; None otherwise."""
   name: str
   num_stages: int
   calls: tuple
+  orders: Optional[tuple] = None
 
   def __post_init__(self):
     validate(self)
@@ -76,11 +93,27 @@ class Plan:
 
   @property
   def ring_sizes(self) -> tuple[int, ...]:
+    """Stash entries each stage holds at its peak: the ring of a plan that carries its stash
+    across ticks; for a plan built from micro-batch orders, each order's peak
+    (`peak_stash`)."""
+    if self.orders is not None:
+      return tuple(peak_stash(o) for o in self.orders)
     return self.derived.ring_sizes
 
   @property
   def fill_ticks(self) -> int:
     return self.derived.fill_ticks
+
+  @property
+  def microbatches(self) -> int:
+    """M: the equal parts the tick's batch is split into (1: the whole batch)."""
+    return 1 + max(c.micro for c in self.calls)
+
+  @property
+  def accumulates(self) -> bool:
+    """Whether the stages sum their micro-batch gradients and apply the sum once a tick (a
+    synchronous pipeline): its stash lives within the tick, not in a ring of the state."""
+    return any(c.applies_sum for c in self.calls)
 
   def flags(self, k: int, t):
     """(forwards, backwards) of stage k at tick t: host int -> Python bools, traced int ->
@@ -116,6 +149,9 @@ class Plan:
     out = []
     for i in self.issue_order(old_messages_first):
       call = self.calls[i]
+      if call.applies_sum:  # a plan that accumulates has no fill: every tick the same
+        out.append((call, False, False))
+        continue
       fwd, bwd = self.flags(call.stage, t)
       fwd = fwd if call.forward else False
       bwd = bwd if call.backward else False
@@ -141,8 +177,9 @@ class Plan:
   @property
   def decoupled(self) -> bool:
     """Whether every call reads only messages of the previous tick (FDG): a tick's stages
-    are then independent, and can run as one SPMD program."""
-    return all("now" not in (c.act, c.cot) for c in self.calls)
+    are then independent, and can run as one SPMD program. A plan that accumulates is not:
+    its update calls wait for the tick's every backward."""
+    return not self.accumulates and all("now" not in (c.act, c.cot) for c in self.calls)
 
   @property
   def old_messages_first(self) -> bool:
@@ -180,7 +217,8 @@ class Plan:
       for k in range(self.num_stages):
         f = [b for (tt, kk, kind, b) in events if tt == t and kk == k and kind == "F"]
         b = [b for (tt, kk, kind, b) in events if tt == t and kk == k and kind == "B"]
-        cells.append(" ".join([f"F{x}" for x in f] + [f"B{x}" for x in b]) or ".")
+        name = lambda x: f"{x[0]}.{x[1]}" if isinstance(x, tuple) else str(x)
+        cells.append(" ".join([f"F{name(x)}" for x in f] + [f"B{name(x)}" for x in b]) or ".")
       rows.append(f"{t:4d} | " + " | ".join(f"{c:7s}" for c in cells))
     return "\n".join(rows)
 
@@ -191,10 +229,30 @@ def validate(plan: Plan) -> None:
   K = plan.num_stages
   if K < 1:
     raise ValueError(f"a plan needs at least one stage, got {K}")
+  if not plan.calls:
+    raise ValueError(f"{plan.name}: a plan needs calls")
   seen_f, seen_b, sent = set(), set(), set()
+  summing, summed = set(), set()  # stages that accumulate; those whose sum was applied
   for i, c in enumerate(plan.calls):
     if not 0 <= c.stage < K:
       raise ValueError(f"{plan.name}: call {i} is on stage {c.stage} of {K}")
+    if c.micro < 0:
+      raise ValueError(f"{plan.name}: call {i} has micro-batch {c.micro} < 0")
+    if c.applies_sum:
+      if not c.update or c.act is not None or c.cot is not None:
+        raise ValueError(f"{plan.name}: call {i} does neither forward nor backward: it must "
+                         "be an update call (update=True, no sources)")
+      if c.stage not in summing or c.stage in summed:
+        raise ValueError(f"{plan.name}: call {i} applies stage {c.stage}'s gradient sum, "
+                         "but the stage has no accumulated backward before it (or applied "
+                         "it already this tick)")
+      summed.add(c.stage)
+      continue
+    if c.backward and not c.update:
+      if c.stage in summed:
+        raise ValueError(f"{plan.name}: call {i} accumulates into stage {c.stage}'s sum "
+                         "after it was applied this tick")
+      summing.add(c.stage)
     last = c.stage == K - 1
     if last and not (c.forward and c.backward and c.cot is None):
       raise ValueError(f"{plan.name}: the last stage's call does its loss, gradient and "
@@ -204,24 +262,41 @@ def validate(plan: Plan) -> None:
         raise ValueError(f"{plan.name}: call {i} forwards with no activation source")
       if (c.act == "batch") != (c.stage == 0):
         raise ValueError(f"{plan.name}: call {i}: only stage 0 reads the batch")
-      if c.act == "now" and ("act", c.stage) not in sent:
+      if c.act == "now" and ("act", c.stage, c.micro) not in sent:
         raise ValueError(f"{plan.name}: call {i} reads stage {c.stage - 1}'s activation of "
                          "this tick before it is sent")
       seen_f.add(c.stage)
       if c.stage < K - 1:
-        sent.add(("act", c.stage + 1))
+        sent.add(("act", c.stage + 1, c.micro))
     if c.backward and not last:
       if c.cot is None:
         raise ValueError(f"{plan.name}: call {i} backwards with no cotangent source")
-      if c.cot == "now" and ("cot", c.stage) not in sent:
+      if c.cot == "now" and ("cot", c.stage, c.micro) not in sent:
         raise ValueError(f"{plan.name}: call {i} reads stage {c.stage + 1}'s cotangent of "
                          "this tick before it is sent")
       seen_b.add(c.stage)
     if c.backward and c.stage > 0:
-      sent.add(("cot", c.stage - 1))
+      sent.add(("cot", c.stage - 1, c.micro))
   missing = [k for k in range(K) if k not in seen_f or (k < K - 1 and k not in seen_b)]
   if missing:
     raise ValueError(f"{plan.name}: stages {missing} never forward or never backward")
+  if summing != summed:
+    raise ValueError(f"{plan.name}: stages {sorted(summing - summed)} accumulate gradients "
+                     "that no update call applies within the tick")
+  applying = {c.stage for c in plan.calls if c.backward and c.update}
+  if summing & applying:
+    raise ValueError(f"{plan.name}: stages {sorted(summing & applying)} both accumulate and "
+                     "apply gradients at once: a stage does one or the other")
+  M = 1 + max(c.micro for c in plan.calls)
+  if summing:
+    for k in range(K):
+      micros = sorted(c.micro for c in plan.calls if c.stage == k and c.forward)
+      if micros != list(range(M)):
+        raise ValueError(f"{plan.name}: stage {k} forwards micro-batches {micros}; a "
+                         f"synchronous plan forwards each of its {M} once a tick")
+  elif M > 1:
+    raise ValueError(f"{plan.name}: a plan over micro-batches must accumulate their "
+                     "gradients (update=False) and apply the sum with an update call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,40 +315,48 @@ class Derived:
 
 def _simulate(plan: Plan, ticks: int):
   """Runs the plan's messages for `ticks` ticks. Returns (events [(t, k, "F"|"B", batch)],
-  the most stash entries each stage held at once)."""
-  K = plan.num_stages
-  inbox_act, inbox_cot = {}, {}
+  the most stash entries each stage held at once). A batch is its tick t, or (t, m) for
+  micro-batch m of a plan that splits the batch."""
+  K, M = plan.num_stages, plan.microbatches
+  ident = (lambda t, m: t) if M == 1 else (lambda t, m: (t, m))
+  inbox_act, inbox_cot = {}, {}  # (receiving stage, micro-batch) -> batch
   stash = [[] for _ in range(K)]
   peak = [0] * K
   events = []
   for t in range(ticks):
     now_act, now_cot, next_act, next_cot = {}, {}, {}, {}
     for c in plan.calls:
-      k = c.stage
-      reads = lambda src, now, inbox: (now.get(k) if src == "now" else inbox.get(k))
+      if c.applies_sum:
+        continue
+      k, key = c.stage, (c.stage, c.micro)
+      reads = lambda src, now, inbox: (now.get(key) if src == "now" else inbox.get(key))
       if k == K - 1:
-        b = t if c.act == "batch" else reads(c.act, now_act, inbox_act)
+        b = ident(t, c.micro) if c.act == "batch" else reads(c.act, now_act, inbox_act)
         if b is None:
           continue
         events += [(t, k, "F", b), (t, k, "B", b)]
         if k > 0:
-          (now_cot if _reader_reads_now(plan, k - 1) else next_cot)[k - 1] = b
+          (now_cot if _reader_reads_now(plan, k - 1) else next_cot)[(k - 1, c.micro)] = b
         continue
       if c.backward:
         b = reads(c.cot, now_cot, inbox_cot)
         if b is not None and stash[k]:
-          got = stash[k].pop(0)
-          assert got == b, (plan.name, t, k, got, b)  # FIFO
+          if plan.accumulates:  # within the tick, entries are found by micro-batch
+            assert b in stash[k], (plan.name, t, k, b)
+            stash[k].remove(b)
+          else:
+            got = stash[k].pop(0)
+            assert got == b, (plan.name, t, k, got, b)  # FIFO
           events.append((t, k, "B", b))
           if k > 0:
-            (now_cot if _reader_reads_now(plan, k - 1) else next_cot)[k - 1] = b
+            (now_cot if _reader_reads_now(plan, k - 1) else next_cot)[(k - 1, c.micro)] = b
       if c.forward:
-        b = t if c.act == "batch" else reads(c.act, now_act, inbox_act)
+        b = ident(t, c.micro) if c.act == "batch" else reads(c.act, now_act, inbox_act)
         if b is not None:
           stash[k].append(b)
           peak[k] = max(peak[k], len(stash[k]))
           events.append((t, k, "F", b))
-          (now_act if _act_read_now(plan, k + 1) else next_act)[k + 1] = b
+          (now_act if _act_read_now(plan, k + 1) else next_act)[(k + 1, c.micro)] = b
     inbox_act, inbox_cot = next_act, next_cot
   return events, peak
 
@@ -338,19 +421,49 @@ def fdg(num_stages: int) -> Plan:
   return Plan("fdg", K, tuple(calls))
 
 
+def synchronous(name: str, orders: list[list[tuple]]) -> Plan:
+  """The plan of a synchronous pipeline from each stage's order of micro-batch actions
+  [("F" | "B", m), ...]: the actions in one order that keeps every stage's own
+  (`global_order`), every backward accumulating its gradient, the last stage's loss and
+  gradient at its forward, then one update call per stage."""
+  K = len(orders)
+  calls = []
+  for k, kind, m in global_order(orders):
+    if kind == "F":
+      calls.append(Call(k, True, k == K - 1, "batch" if k == 0 else "now", None, micro=m,
+                        update=False))
+    elif k < K - 1:
+      calls.append(Call(k, False, True, None, "now", micro=m, update=False))
+  calls += [Call(k, False, False, None, None) for k in range(K)]
+  return Plan(name, K, tuple(calls), tuple(tuple(o) for o in orders))
+
+
+def gpipe(num_stages: int, microbatches: int = 1) -> Plan:
+  """GPipe (Huang et al. 2019): every stage forwards its M micro-batches, then runs their
+  backwards in reverse, accumulating; one update per stage at the end of the tick."""
+  return synchronous("gpipe", gpipe_order(num_stages, microbatches))
+
+
+def one_f_one_b(num_stages: int, microbatches: int = 1) -> Plan:
+  """1F1B (PipeDream-Flush, Narayanan et al. 2021): min(M, K-1-k) warm-up forwards, then one
+  forward and one backward in turn; one update per stage at the end of the tick."""
+  return synchronous("1f1b", one_f_one_b_order(num_stages, microbatches))
+
+
 _PLAN_CACHE: dict = {}
 
 
-def plan(name: str, num_stages: int) -> Plan:
-  """The plan of the registered schedule `name` for `num_stages` stages (a value: built once
-  per name and K, anew after a `register`)."""
-  key = (name, num_stages)
+def plan(name: str, num_stages: int, **options) -> Plan:
+  """The plan of the registered schedule `name` for `num_stages` stages and its plan options
+  (`microbatches=M` for a pipeline of micro-batches): a value, built once per name, K and
+  options, anew after a `register`."""
+  sp = spec(name)
+  options = {k: v for k, v in options.items() if k in PLAN_OPTIONS and k in sp.options}
+  key = (name, num_stages, tuple(sorted(options.items())))
   if key not in _PLAN_CACHE:
-    sp = spec(name)
-    if sp.make_plan is None:
-      raise ValueError(f"{name!r} is a pipeline of micro-batches, not a tick plan: see "
-                       "microbatch_order")
-    made = sp.make_plan(num_stages)
+    if sp.microbatched and int(options.get("microbatches", 1)) < 1:
+      raise ValueError(f"microbatches must be >= 1, got {options.get('microbatches')}")
+    made = sp.make_plan(num_stages, **options)
     if not isinstance(made, Plan):
       raise TypeError(f"schedule {name!r}'s make_plan returned {type(made).__name__}, not a "
                       "plans.Plan")
@@ -362,14 +475,14 @@ def plan(name: str, num_stages: int) -> Plan:
 def microbatch_order(name: str, num_stages: int, microbatches: int) -> list[list[tuple]]:
   """Per stage (device), the order of its micro-batch actions in a tick of the registered
   synchronous pipeline `name`: ("F", m) and ("B", m); every stage updates once after its
-  last action (gpipe: `gpipe_order`, 1f1b: `one_f_one_b_order`)."""
+  last action (the orders its plan was built from)."""
   sp = spec(name)
-  if sp.make_order is None:
+  if not sp.microbatched:
     raise ValueError(f"no micro-batch plan named {name!r}; known: "
                      f"{', '.join(names(microbatched=True))}")
   if microbatches < 1:
     raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-  return sp.make_order(num_stages, microbatches)
+  return [list(o) for o in plan(name, num_stages, microbatches=microbatches).orders]
 
 
 def gpipe_order(num_stages: int, microbatches: int) -> list[list[tuple]]:
@@ -398,6 +511,7 @@ def one_f_one_b_order(num_stages: int, microbatches: int) -> list[list[tuple]]:
 
 # ------------------------------------------------------------------------------ the registry
 OPTIONS = ("beta", "shrink_at", "backward", "microbatches")  # what a schedule may accept
+PLAN_OPTIONS = ("microbatches",)  # those that change the plan (make_plan's keywords)
 ENGINES = ("fused", "per_stage", "spmd")
 
 
@@ -405,18 +519,15 @@ ENGINES = ("fused", "per_stage", "spmd")
 class ScheduleSpec:
   """A schedule as the library knows it: everything that depends on its name is read here.
 
-  make_plan: `make_plan(num_stages, **options) -> Plan` (a schedule of ticks, run by
-    `fdg_jax.Schedule`); None for a pipeline of micro-batches.
-  make_order: `make_order(num_stages, microbatches)`, the per-stage micro-batch actions of a
-    synchronous pipeline (run by `fdg_jax.SyncPipeline`); None for a tick plan.
+  make_plan: `make_plan(num_stages, **plan_options) -> Plan` (plan_options: those of
+    `options` in PLAN_OPTIONS, e.g. microbatches).
   delayed: its gradients are stale (the staleness remedies and `staleness=auto` apply).
   options: the keyword options it takes, of OPTIONS.
   engines: the engines that run it, of ENGINES.
   replicas: whether it runs as data-parallel replicas (DP x the schedule).
   """
   name: str
-  make_plan: Optional[Callable] = None
-  make_order: Optional[Callable] = None
+  make_plan: Callable
   delayed: bool = True
   options: tuple = ("backward",)
   engines: tuple = ("fused", "per_stage")
@@ -425,31 +536,31 @@ class ScheduleSpec:
 
   @property
   def microbatched(self) -> bool:
-    return self.make_order is not None
+    """Whether it splits the batch into micro-batches (it takes `microbatches`)."""
+    return "microbatches" in self.options
 
 
 _REGISTRY: dict[str, ScheduleSpec] = {}
 
 
-def register(name: str, make_plan: Optional[Callable] = None, *, replace: bool = False,
-             **spec) -> ScheduleSpec:
+def register(name: str, make_plan: Callable, *, replace: bool = False, **spec) -> ScheduleSpec:
   """Declares a schedule by name, so that `fdg_jax.create(name, ...)`, `train.py
   --config.algorithm=name` (with `--config.plan_module` naming the module that registers
   it) and the benchmarks run it like a built-in.
 
-  `make_plan(num_stages, **options)` returns its `Plan`; or pass `make_order=` for a
-  synchronous pipeline of micro-batches. The other keywords are `ScheduleSpec`'s fields
-  (delayed, options, engines, replicas, description). Returns the spec.
+  `make_plan(num_stages, **plan_options)` returns its `Plan`. The other keywords are
+  `ScheduleSpec`'s fields (delayed, options, engines, replicas, description). Returns the
+  spec.
   """
   if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
     raise ValueError(f"a schedule's name must be a plain word, got {name!r}")
   if name in _REGISTRY and not replace:
     raise ValueError(f"a schedule named {name!r} is registered already (replace=True to "
                      "redefine it)")
+  if not callable(make_plan):
+    raise ValueError(f"schedule {name!r}: make_plan must be a function of (num_stages, "
+                     "**options) returning a plans.Plan")
   sp = ScheduleSpec(name, make_plan, **spec)
-  if (sp.make_plan is None) == (sp.make_order is None):
-    raise ValueError(f"schedule {name!r}: give exactly one of make_plan (a tick plan) and "
-                     "make_order (micro-batch actions)")
   bad = [o for o in sp.options if o not in OPTIONS] + [e for e in sp.engines
                                                        if e not in ENGINES]
   if bad:
@@ -475,17 +586,17 @@ def names(*, microbatched: Optional[bool] = None, delayed: Optional[bool] = None
                and (delayed is None or s.delayed == delayed))
 
 
-register("bp", lambda num_stages: bp(num_stages), delayed=False, options=("backward",),
+register("bp", bp, delayed=False, options=("backward",),
          description="backpropagation: the whole forward, then the whole backward")
-register("ddg", lambda num_stages: ddg(num_stages), options=("backward",),
+register("ddg", ddg, options=("backward",),
          description="decoupled backward, delay K-1-k (Huo et al. 2018)")
-register("fdg", lambda num_stages: fdg(num_stages), options=("beta", "shrink_at", "backward"),
-         engines=ENGINES, description="forward, backward and update decoupled, delay "
-                                      "2(K-1-k), gradient shrinking (Zhuang et al. 2021)")
-register("gpipe", make_order=gpipe_order, delayed=False, options=("microbatches",),
-         replicas=False, description="synchronous pipeline, all forwards then all backwards")
-register("1f1b", make_order=one_f_one_b_order, delayed=False, options=("microbatches",),
-         replicas=False, description="synchronous pipeline, one forward one backward")
+register("fdg", fdg, options=("beta", "shrink_at", "backward"), engines=ENGINES,
+         description="forward, backward and update decoupled, delay 2(K-1-k), gradient "
+                     "shrinking (Zhuang et al. 2021)")
+register("gpipe", gpipe, delayed=False, options=("microbatches",), replicas=False,
+         description="synchronous pipeline, all forwards then all backwards")
+register("1f1b", one_f_one_b, delayed=False, options=("microbatches",), replicas=False,
+         description="synchronous pipeline, one forward one backward")
 
 
 def peak_stash(order: list[tuple]) -> int:

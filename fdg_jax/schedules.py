@@ -161,12 +161,10 @@ class Schedule(Telemetry):
                devices=None, mesh=None, metrics_fn: Callable | None = None,
                engine: str = "auto", scan: bool | None = None, telemetry: bool = False,
                compiler_options: dict | None = None, ring_heads: bool | None = None,
-               gate: str | None = None):
-    if isinstance(algorithm, str) and (algorithm not in plans_lib.names()
-                                       or plans_lib.spec(algorithm).microbatched):
+               gate: str | None = None, microbatches: int | None = None):
+    if isinstance(algorithm, str) and algorithm not in plans_lib.names():
       raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
-                       f"{plans_lib.names(microbatched=False)} (or register one: "
-                       "fdg_jax.plans.register)")
+                       f"{plans_lib.names()} (or register one: fdg_jax.plans.register)")
     if backward not in BACKWARD_POLICIES:
       raise ValueError(f"unknown backward policy {backward!r}; choose one of {BACKWARD_POLICIES}")
     if engine not in ENGINES:
@@ -184,8 +182,20 @@ class Schedule(Telemetry):
     if shrink_at not in SHRINK_AT:
       raise ValueError(f"unknown shrink_at {shrink_at!r}; choose one of {SHRINK_AT}")
     # The plan: the calls of a tick (`fdg_jax.plans`), by name or given.
-    self.plan = (plans_lib.plan(algorithm, len(stages)) if isinstance(algorithm, str)
-                 else algorithm)
+    if isinstance(algorithm, str):
+      sp = plans_lib.spec(algorithm)
+      if microbatches is not None and not sp.microbatched:
+        raise ValueError(f"microbatches is an option of "
+                         f"{' and '.join(plans_lib.names(microbatched=True))}; {algorithm} "
+                         "splits no batch")
+      if sp.microbatched and microbatches is None:
+        raise ValueError(f"{algorithm} needs microbatches=M (the parts of each batch)")
+      if sp.microbatched and int(microbatches) < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+      options = {"microbatches": int(microbatches)} if sp.microbatched else {}
+      self.plan = plans_lib.plan(algorithm, len(stages), **options)
+    else:
+      self.plan = algorithm
     if not isinstance(self.plan, plans_lib.Plan):
       raise TypeError(f"algorithm must be a registered schedule's name or a plans.Plan, got "
                       f"{type(algorithm).__name__}")
@@ -193,6 +203,22 @@ class Schedule(Telemetry):
       raise ValueError(f"the plan {self.plan.name!r} is for {self.plan.num_stages} stages, "
                        f"got {len(stages)}")
     self.algorithm = self.plan.name
+    self.microbatches = self.plan.microbatches
+    if self.plan.accumulates:  # a synchronous pipeline: nothing delayed to configure
+      bad = [name for name, value, off in (("beta", beta, 1.0), ("backward", backward, "stash"),
+                                           ("telemetry", telemetry, False),
+                                           ("shrink_at", shrink_at, "gradient"))
+             if value != off]
+      if bad:
+        raise ValueError(f"{self.algorithm} takes no {', '.join(bad)} (it has no delay: no "
+                         "stash policy, shrinking or telemetry)")
+      if mesh is not None:
+        raise ValueError(f"{self.algorithm} runs on one device or a device per stage; "
+                         "data-parallel meshes are for plans that apply each gradient as "
+                         "it comes (bp, ddg, fdg)")
+      if engine not in ("auto", "fused", "per_stage"):
+        raise ValueError(f"{self.algorithm} runs on the fused or per-stage engine, not "
+                         f"{engine!r}")
     self.stages = stages
     self.num_stages = len(stages)
     self.loss_fn = loss_fn
@@ -258,6 +284,12 @@ class Schedule(Telemetry):
   def fill_ticks(self) -> int:
     """The first tick from which every stage forwards and backwards (the pipeline is full)."""
     return self.plan.fill_ticks
+
+  @property
+  def peak_stash(self) -> tuple[int, ...]:
+    """Stash entries each stage holds at its peak (`plans.Plan.ring_sizes`: for a
+    synchronous pipeline, micro-batches of vjp residuals within the tick)."""
+    return self.ring_sizes
 
   @property
   def scan(self) -> bool:
@@ -524,6 +556,55 @@ class Schedule(Telemetry):
     metrics = self._replica_mean({"loss": value, "batch": batch, **self.metrics_fn(out, y)})
     return s, grad_x, metrics
 
+  # ------------------------------------------------------------------ a plan's micro-batches
+  def _micro(self, tree, m):
+    """Micro-batch m of a batch-major pytree (the plan's M equal parts)."""
+    M = self.microbatches
+
+    def cut(a):
+      n = a.shape[0] // M
+      return jax.lax.dynamic_slice_in_dim(a, m * n, n, axis=0)
+    return jax.tree.map(cut, tree)
+
+  def _micro_key(self, s, t, m):
+    return jax.random.fold_in(jax.random.fold_in(s["rng"], t), m)
+
+  def _micro_forward(self, k, s, x, t, m):
+    """Stage k's training forward of micro-batch m, its gradient to be summed: (new model
+    state, output, vjp function: the tick's stash entry)."""
+    params, _ = self.optimizers[k].forward(s["params"], s["opt_state"])
+    y, vjp_fn, ms = training_vjp(self.stages[k], params, s["model_state"], x,
+                                 self._micro_key(s, t, m))
+    return ms, y, vjp_fn
+
+  def _micro_backward(self, vjp_fn, cot, acc):
+    """A micro-batch's backward: (the stage's gradient sum with this one added, the
+    cotangent of its input)."""
+    g, gx, _ = vjp_fn(cot)
+    return (g if acc is None else jax.tree.map(jnp.add, acc, g)), gx
+
+  def _micro_last(self, s, x, y, t, m):
+    """The last stage on micro-batch m: (new model state, its gradient, cotangent of x,
+    loss, outputs). The loss is the micro-batch mean over M: the M of them sum to the
+    batch's."""
+    K, M = self.num_stages, self.microbatches
+    stage = self.stages[K - 1]
+    params, _ = self.optimizers[K - 1].forward(s["params"], s["opt_state"])
+
+    def loss(p, a):
+      out, ms = stage.apply(p, s["model_state"], a, train=True, rng=self._micro_key(s, t, m))
+      return self.loss_fn(out, y) / M, (out, ms)
+
+    (value, (out, ms)), grads = jax.value_and_grad(loss, (0, 1) if K > 1 else 0,
+                                                   has_aux=True)(params, x)
+    grads, gx = grads if K > 1 else (grads, None)
+    return ms, grads, gx, value, out
+
+  def _apply_sum(self, k, s, grads):
+    """The update call: stage k applies the gradients it summed over the tick."""
+    updates, opt_state = self.optimizers[k].update(grads, s["opt_state"], s["params"])
+    return {**s, "params": optax.apply_updates(s["params"], updates), "opt_state": opt_state}
+
   def _tick(self, stages, inbox, batch, t, ops):
     """One tick: the plan's calls (`fdg_jax.plans`), in its order, run by the engine `ops`.
 
@@ -543,30 +624,63 @@ class Schedule(Telemetry):
     """
     K, plan = self.num_stages, self.plan
     stages = list(stages)
-    new_inbox = [dict(box) for box in inbox]  # unsent messages keep their placeholders
+    # unsent messages keep their placeholders (a plan that accumulates has no inbox)
+    new_inbox = None if inbox is None else [dict(box) for box in inbox]
     updated: list = [None] * K
     metrics: dict = {}
     active = self._flags(K - 1, t)[0]
     ops.begin_tick()
-    now = {"act": {}, "cot": {}}  # messages sent earlier in this tick, by receiver
+    now = {"act": {}, "cot": {}}  # messages sent earlier in this tick, by (receiver, micro)
     outgoing = []  # (receiving stage, "act" | "cot", flag, message), read at tick t+1
+    # A plan that accumulates: each stage's stash entries and gradient sum of this tick, the
+    # last stage's losses and outputs, the labels where the last stage reads them.
+    held, sums, losses, outs = {}, [None] * K, [], {}
+    if plan.accumulates:
+      tick = np.int32(t) if isinstance(t, int) else t
+      firsts = {m: self._micro(batch[0], m) for m in range(self.microbatches)}
+      labels = ops.move(K - 1, batch[1])
 
-    def send(k, kind, flag, message):
+    def send(k, kind, flag, message, m=0):
       if plan.reads_now(k, kind):
-        now[kind][k] = ops.move(k, message)
+        now[kind][(k, m)] = ops.move(k, message)
       else:
         outgoing.append((k, kind, flag, message))
 
-    def source(k, kind, where):
+    def source(k, kind, where, m=0):
       if where == "batch":
-        return batch
-      return now[kind][k] if where == "now" else inbox[k][kind]
+        return batch if not plan.accumulates else firsts.pop(m)
+      return now[kind].pop((k, m)) if where == "now" else inbox[k][kind]
 
     # The engine may issue the calls that read only messages of tick t-1 in any order among
     # themselves; `engines.GatedOps` reverses them, so that each message of tick t-1 is read before
     # the one replacing it is made.
     for call, do_fwd, do_bwd in plan.issued(t, ops.old_messages_first):
-      k = call.stage
+      k, m = call.stage, call.micro
+      if call.applies_sum:  # the update call: the stage applies the tick's gradient sum
+        stages[k] = ops.apply_sum(k)(stages[k], sums[k])
+        updated[k] = t
+        continue
+      if not call.update:  # micro-batch m's forward or backward, its gradient summed
+        if k == K - 1:
+          ms, g, gx, loss, out = ops.last_micro()(
+              stages[k], source(k, "act", call.act, m), self._micro(labels, m), tick, m)
+          stages[k] = {**stages[k], "model_state": ms}
+          sums[k] = g if sums[k] is None else jax.tree.map(jnp.add, sums[k], g)
+          losses.append(loss)
+          outs[m] = out
+          if k > 0:
+            send(k - 1, "cot", True, gx, m)
+        elif call.forward:
+          ms, h, held[(k, m)] = ops.forward_micro(k)(
+              stages[k], source(k, "act", call.act, m), tick, m)
+          stages[k] = {**stages[k], "model_state": ms}
+          send(k + 1, "act", True, h, m)
+        else:
+          sums[k], gx = ops.backward_micro(k)(held.pop((k, m)),
+                                               source(k, "cot", call.cot, m), sums[k])
+          if k > 0:
+            send(k - 1, "cot", True, gx, m)
+        continue
       if k == K - 1:
         stages[k], cot, metrics = ops.last(active)(stages[k], source(k, "act", call.act))
         updated[k] = _select(active, metrics["batch"], NO_UPDATE)
@@ -586,16 +700,23 @@ class Schedule(Telemetry):
       moved = ops.move_all([(k, m) for k, _, _, m in outgoing])
       for (k, kind, flag, _), m in zip(outgoing, moved):
         new_inbox[k][kind] = _select(flag, m, inbox[k][kind])
+    if losses:  # the batch's loss: the sum of the micro-batch means; metrics on all of it
+      out = jnp.concatenate([outs[m] for m in range(self.microbatches)])
+      metrics = {"loss": sum(losses), **self.metrics_fn(out, labels)}
     return stages, new_inbox, updated, metrics, active
 
   # ------------------------------------------------------------------ packing
   def _unpack_stage(self, k, packed):
+    if self.plan.accumulates:  # kept unpacked
+      return dict(packed)
     s = dict(self._core_layouts[k].unpack(packed["core"]))
     if "stash" in packed:
       s["stash"] = packed["stash"]
     return s
 
   def _pack_stage(self, k, s):
+    if self.plan.accumulates:
+      return s
     s = dict(s)
     stash = s.pop("stash", None)
     out = {"core": self._core_layouts[k].pack(s)}
@@ -746,6 +867,15 @@ class Schedule(Telemetry):
     if len(model_state) != K:
       raise ValueError(f"got {len(model_state)} model states for {K} stages")
     rng = jax.random.PRNGKey(0) if rng is None else rng
+    if self.plan.accumulates:
+      # Nothing is carried between ticks but each stage's parameters, model and optimizer
+      # states and key, kept as they are (no counters, stash or inbox).
+      del example_batch
+      stages = [self.placement.put_state(k, {
+          "params": params[k], "model_state": model_state[k],
+          "opt_state": self.optimizers[k].init(params[k]), "rng": jax.random.fold_in(rng, k)})
+          for k in range(K)]
+      return {"tick": np.asarray(0, np.int64), "stages": stages}
     stages = []
     for k in range(K):
       s = {
@@ -911,6 +1041,8 @@ class Schedule(Telemetry):
 
   def _ready(self, state, batch_spec):
     """`state` with its buffers allocated, and this schedule prepared for its layout."""
+    if self.plan.accumulates:  # nothing to allocate: no stash or inbox between ticks
+      return state
     if state["inbox"] is None:
       return self._allocate(state, batch_spec)
     if self._batch_spec is None:  # a state restored into a fresh schedule
@@ -935,13 +1067,19 @@ class Schedule(Telemetry):
           lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), first))
       state, metrics = self._spmd.step(state, first)
       return {**state, "tick": np.asarray(t + 1, np.int64)}, {**metrics, "tick": t}
+    if self.plan.accumulates:
+      B = int(np.shape(jax.tree.leaves(batch[0])[0])[0])
+      if B % self.microbatches:
+        raise ValueError(f"a batch of {B} does not split into microbatches="
+                         f"{self.microbatches} equal parts; use a batch size that "
+                         f"{self.microbatches} divides")
     # In a multi-process run `batch` is this process's slice; batch_msg is the global batch.
     batch_msg = self.placement.put_batch(0, tuple(batch))
     state = self._ready(state, batch_msg)
     t = int(state["tick"])
     if self.engine == "fused":
       fn = self._fused_fn(None)
-      stages, inbox, updated, metrics = fn(state["stages"], state["inbox"], batch_msg,
+      stages, inbox, updated, metrics = fn(state["stages"], state.get("inbox"), batch_msg,
                                            np.int32(t))
       # A masked program computes every stage's work; keep what the tick really did.
       flags = [self._flags(k, t) for k in range(K)]
@@ -950,7 +1088,10 @@ class Schedule(Telemetry):
         metrics = {}
     else:
       stages, inbox, updated, metrics, _ = self._tick(
-          state["stages"], state["inbox"], batch_msg, t, self._per_stage_ops)
+          state["stages"], state.get("inbox"), batch_msg, t, self._per_stage_ops)
+    if self.plan.accumulates:  # every stage applies the tick's batch at the tick's end
+      metrics = {**metrics, "batch": t, "tick": t, "updated": (t,) * K}
+      return {"tick": np.asarray(t + 1, np.int64), "stages": stages}, metrics
     metrics = {**metrics, "tick": t, "updated": tuple(updated)}
     return {"tick": np.asarray(t + 1, np.int64), "stages": stages, "inbox": inbox}, metrics
 
@@ -981,6 +1122,8 @@ class Schedule(Telemetry):
       raise ValueError(f"run needs 1 <= num_ticks <= {length} (the batches given), got {T}")
     t0 = int(state["tick"])
     first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), (xs, ys))
+    if self.plan.accumulates:  # one program per tick (what the synchronous pipelines ran)
+      return self._run_by_steps(state, xs, ys, T, length)
     if self.engine == "fused":
       state = self._ready(state, first)
       if self.scan:
@@ -1009,7 +1152,7 @@ class Schedule(Telemetry):
       state, m = self.step(state, batch)
       per_tick.append(m)
     per_tick += [{"updated": (None,) * K}] * (length - T)  # unset entries past T
-    spec = self._metrics_spec()
+    spec = self._metrics_spec(per_tick[0])
     fills = {name: self._constant(K - 1, 0, leaf.dtype) for name, leaf in spec.items()}
     out = _stack_jit({name: [m.get(name, fill) for m in per_tick]
                       for name, fill in fills.items()})
@@ -1024,8 +1167,12 @@ class Schedule(Telemetry):
     out["tick"] = _ticks(t0, T, length)
     return state, out
 
-  def _metrics_spec(self) -> dict:
-    """Shapes of the last stage's metrics (loss, batch, metrics_fn's)."""
+  def _metrics_spec(self, first: dict | None = None) -> dict:
+    """Shapes of the last stage's metrics (loss, batch, metrics_fn's); for a plan that
+    accumulates, those of `first`, a tick's metrics (every tick has them)."""
+    if self.plan.accumulates:
+      return {n: jax.ShapeDtypeStruct(np.shape(v), jnp.asarray(v).dtype)
+              for n, v in first.items() if n not in ("tick", "updated")}
     if self._metrics_shapes is None:
       K = self.num_stages
       act = self._batch_spec if K == 1 else self._act_specs[K - 2]
@@ -1045,12 +1192,17 @@ class Schedule(Telemetry):
   def stage_state(self, state, k: int) -> dict:
     """Stage k's state unpacked: params, model_state, opt_state, rng, pushes, pops and (but
     for the last stage) stash_batch. The stash: `stash`."""
+    if self.plan.accumulates:
+      return state["stages"][k]
     if k not in self._unpack_fns:
       self._unpack_fns[k] = jax.jit(self._core_layouts[k].unpack)
     return self._unpack_fns[k](self._core(state, k))
 
   def stash(self, state, k: int) -> tuple:
-    """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last)."""
+    """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last,
+    and for a plan that accumulates, whose stash lives within the tick)."""
+    if self.plan.accumulates:
+      return ()
     stash = self._packed_stage(state, k).get("stash")
     if stash is None:
       return ()
@@ -1068,8 +1220,11 @@ class Schedule(Telemetry):
     return self._spmd.unflatten(state, k)[0] if "flat" in s else s
 
   def _core(self, state, k: int) -> dict:
-    """Stage k's packed core buffers (no copy of the stash under any engine)."""
+    """Stage k's packed core buffers (no copy of the stash under any engine); a plan that
+    accumulates: its unpacked state."""
     s = state["stages"][k]
+    if self.plan.accumulates:
+      return s
     return self._spmd.core(state, k) if "flat" in s else s["core"]
 
   def params(self, state) -> list:
@@ -1090,7 +1245,7 @@ class Schedule(Telemetry):
       core = self._core(state, k)
       if k not in self._eval_fns:
         def fwd(core, a, k=k):
-          s = self._core_layouts[k].unpack(core)
+          s = core if self.plan.accumulates else self._core_layouts[k].unpack(core)
           return self.stages[k].apply(s["params"], s["model_state"], a, train=False)[0]
         self._eval_fns[k] = jax.jit(fwd)
       x = self._eval_fns[k](core, x)
@@ -1102,6 +1257,8 @@ class Schedule(Telemetry):
     """Bytes held by each stage's delay buffer: its stash ring, the ring's head where it keeps
     one (`ring_heads`, `delays.slots_held`), and its batch indices."""
     out = []
+    if self.plan.accumulates:  # the stash lives within the tick
+      return [0] * self.num_stages
     for k, s in enumerate(state["stages"]):
       if "flat" in s:  # the SPMD engine: every stage holds a ring padded to the largest
         ring = self._spmd.ring_bytes()
@@ -1186,8 +1343,7 @@ def create(algorithm: str, stages, loss_fn, optimizer, **kwargs):
   """A registered schedule by name (`fdg_jax.plans.names()`: bp, ddg, fdg, gpipe, 1f1b and
   any registered with `fdg_jax.plans.register`). Each takes the options its spec lists
   (beta and shrink_at: fdg; backward: ddg and fdg; microbatches: gpipe and 1f1b, which
-  return a `pipelines.SyncPipeline`)."""
-  from fdg_jax import pipelines
+  return a `Schedule` of their plan for `microbatches`=M)."""
   if algorithm not in plans_lib.names():
     raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
                      f"{', '.join(plans_lib.names())} (or register one: "
@@ -1199,7 +1355,6 @@ def create(algorithm: str, stages, loss_fn, optimizer, **kwargs):
       takers = [n for n in plans_lib.names() if option in plans_lib.spec(n).options]
       raise ValueError(f"{option} is an option of {' and '.join(takers)} "
                        f"({_OPTION_WHAT[option]}); {algorithm} takes none")
-  if sp.microbatched:
-    return pipelines.SyncPipeline(algorithm, stages, loss_fn, optimizer, **kwargs)
-  kwargs.pop("microbatches", None)
+  if not sp.microbatched and kwargs.get("microbatches", 1) == 1:
+    kwargs.pop("microbatches", None)
   return Schedule(algorithm, stages, loss_fn, optimizer, **kwargs)
