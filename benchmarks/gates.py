@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
                              metrics_fn=lambda out, y: {})
       if gate is None:  # the default's choice, from the prepared shapes
         schedule.init(params, states, example_batch=data)
-        default, flops = schedule.gate, max(schedule._forward_flops())
+        default, flops = schedule.gate, max(schedule.forward_flops())
         continue
       entries.append(B.prepare(schedule, params, states, data, run_ticks=args.run_ticks))
     probe = B.time_interleaved(entries, ticks=args.run_ticks, repeats=1)

@@ -5,7 +5,7 @@
 Times, side by side and interleaved (`fdg_jax.bench.schedules.time_interleaved`), the
 quick-start MLP (4x128, digits' shapes) as BP K=1, BP K=4 and FDG K=4 (`stash`, T = 32 ticks
 per call, the platform's default gate: on CPU chained conditionals), FDG K=4 gated by masks
-and by conditionals left unchained (`Schedule.gate`, `engines.GatedOps`), and FDG K=4
+and by conditionals left unchained (`Schedule.gate`, `engines.fused_ops.GatedOps`), and FDG K=4
 compiled with parts of the ring's work taken out:
 
   no ring write        the entry a forward stashes is not written to the ring at all
@@ -52,7 +52,7 @@ def _no_write(self, k, ring, slot, entry, flag):
 
 
 def _unmasked_write(self, k, ring, slot, entry, flag):
-  return ORIGINAL["_ring_store"](self, k, ring, slot, entry, True)
+  return ORIGINAL["StageMath.ring_store"](self, k, ring, slot, entry, True)
 
 
 def _largest_leaf_zeroed(self, k, ring, slot, entry, flag):
@@ -60,13 +60,13 @@ def _largest_leaf_zeroed(self, k, ring, slot, entry, flag):
   sizes = [int(np.prod(np.shape(leaf))) for leaf in entry]
   largest = int(np.argmax(sizes))
   entry = tuple(jnp.zeros_like(leaf) if i == largest else leaf for i, leaf in enumerate(entry))
-  return ORIGINAL["_ring_store"](self, k, ring, slot, entry, flag)
+  return ORIGINAL["StageMath.ring_store"](self, k, ring, slot, entry, flag)
 
 
 def _largest_leaf_unwritten(self, k, ring, slot, entry, flag):
   import jax
   import jax.numpy as jnp
-  lay = self._ring_layouts[k]
+  lay = self.shapes.ring_layouts[k]
   sizes = [int(np.prod(np.shape(leaf))) for leaf in entry]
   largest = int(np.argmax(sizes))
   ring = dict(ring)
@@ -81,10 +81,10 @@ def _largest_leaf_unwritten(self, k, ring, slot, entry, flag):
   return ring
 
 
-def _constants_stored(self, k, a_spec):
+def _constants_stored(self, k, a_spec, math):
   import jax
   from fdg_jax.stages import Residuals
-  entry, residuals, h = ORIGINAL["_entry_and_output"](self, k, a_spec)
+  entry, residuals, h = ORIGINAL["Shapes.entry_and_output"](self, k, a_spec, math)
   if residuals is None or not residuals.fills:
     return entry, residuals, h
   fills, rest, full = {i: (shape, dtype) for i, shape, dtype, _ in residuals.fills}, \
@@ -97,8 +97,8 @@ def _constants_stored(self, k, a_spec):
 def _static_read(self, k, ring, slot):
   import jax.numpy as jnp
   # slot 0 (slot >= 0), still computed from the slot: with chained conditionals (the CPU
-  # default) the read keeps its place in the chain (`engines.GatedOps`)
-  return ORIGINAL["_ring_load"](self, k, ring, jnp.minimum(slot, 0))
+  # default) the read keeps its place in the chain (`GatedOps`)
+  return ORIGINAL["StageMath.ring_load"](self, k, ring, jnp.minimum(slot, 0))
 
 
 def _unchained(self, value):
@@ -111,12 +111,12 @@ GATES = {
     "FDG K=4, conditionals unchained": ({"gate": "cond"}, {"GatedOps._chained": _unchained}),
 }
 VARIANTS = {
-    "no ring write": {"_ring_store": _no_write},
-    "unmasked write": {"_ring_store": _unmasked_write},
-    "largest leaf zeroed": {"_ring_store": _largest_leaf_zeroed},
-    "largest leaf unwritten": {"_ring_store": _largest_leaf_unwritten},
-    "static read": {"_ring_load": _static_read},
-    "constants stored": {"_entry_and_output": _constants_stored},
+    "no ring write": {"StageMath.ring_store": _no_write},
+    "unmasked write": {"StageMath.ring_store": _unmasked_write},
+    "largest leaf zeroed": {"StageMath.ring_store": _largest_leaf_zeroed},
+    "largest leaf unwritten": {"StageMath.ring_store": _largest_leaf_unwritten},
+    "static read": {"StageMath.ring_load": _static_read},
+    "constants stored": {"Shapes.entry_and_output": _constants_stored},
 }
 
 
@@ -129,8 +129,8 @@ def loop_kernels(entry) -> "collections.Counter":
   xs, ys = entry["stacked"]
   T = entry["run_ticks"]
   packed, heads = _without_heads(state["stages"])
-  text = schedule._fused_fn(T).jitted.lower(packed, heads, state["inbox"], xs, ys,
-                                            np.int32(0), np.int32(T)).compile().as_text()
+  text = schedule.engine_impl.program(T).jitted.lower(
+      packed, heads, state["inbox"], xs, ys, np.int32(0), np.int32(T)).compile().as_text()
   return hlo.loop_kernels(text)
 
 
@@ -139,7 +139,7 @@ def stash_written(schedule, params) -> dict:
   of them are weights: entry leaves shaped like one of the stage's parameters (rank >= 2)."""
   import jax
   per_stage, weights = [], 0
-  for k, lay in enumerate(schedule._ring_layouts):
+  for k, lay in enumerate(schedule.shapes.ring_layouts):
     if lay is None or schedule.ring_sizes[k] < 2:
       per_stage.append(0)
       continue
@@ -152,13 +152,15 @@ def stash_written(schedule, params) -> dict:
 
 @contextlib.contextmanager
 def patched(methods: dict):
-  """`Schedule` (or, for a "Class.name" key, that class of `fdg_jax.engines`) with
-  `methods` replaced while a schedule is built and compiled."""
-  from fdg_jax import engines, schedules
-  where = lambda name: ((getattr(engines, name.split(".")[0]), name.split(".")[1])
-                        if "." in name else (schedules.Schedule, name))
-  for name in ("_ring_store", "_ring_load", "_entry_and_output", "GatedOps._chained",
-               *methods):
+  """The classes' methods named "Class.method" in `methods` (StageMath, Shapes, GatedOps)
+  replaced while a schedule is built and compiled."""
+  from fdg_jax.engines.fused_ops import GatedOps
+  from fdg_jax.shapes import Shapes
+  from fdg_jax.stage_math import StageMath
+  classes = {"StageMath": StageMath, "Shapes": Shapes, "GatedOps": GatedOps}
+  where = lambda name: (classes[name.split(".")[0]], name.split(".")[1])
+  for name in ("StageMath.ring_store", "StageMath.ring_load", "Shapes.entry_and_output",
+               "GatedOps._chained", *methods):
     ORIGINAL.setdefault(name, getattr(*where(name)))
   try:
     for name, fn in methods.items():

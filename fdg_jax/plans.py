@@ -519,12 +519,14 @@ ENGINES = ("fused", "per_stage", "spmd")
 class ScheduleSpec:
   """A schedule as the library knows it: everything that depends on its name is read here.
 
-  make_plan: `make_plan(num_stages, **plan_options) -> Plan` (plan_options: those of
-    `options` in PLAN_OPTIONS, e.g. microbatches).
-  delayed: its gradients are stale (the staleness remedies and `staleness=auto` apply).
-  options: the keyword options it takes, of OPTIONS.
-  engines: the engines that run it, of ENGINES.
-  replicas: whether it runs as data-parallel replicas (DP x the schedule).
+  Fields:
+
+  - ``make_plan``: ``make_plan(num_stages, **plan_options) -> Plan``, where the plan options
+    are those of ``options`` in PLAN_OPTIONS (e.g. microbatches).
+  - ``delayed``: its gradients are stale (the staleness remedies and ``staleness=auto`` apply).
+  - ``options``: the keyword options it takes, of OPTIONS.
+  - ``engines``: the engines that run it, of ENGINES.
+  - ``replicas``: whether it runs as data-parallel replicas (DP x the schedule).
   """
   name: str
   make_plan: Callable

@@ -33,7 +33,7 @@ def select(flag, new, old):
 
 
 class RingView:
-  """A stage's stash ring as `_stage_work` sees it: the entry this tick reads, already read
+  """A stage's stash ring as `StageMath.stage_work` sees it: the entry this tick reads, already read
   (`head`), and the entry it writes, recorded for the engine to write after the work.
 
   XLA updates a buffer in place only where it can order every read of it before the write.
@@ -74,6 +74,26 @@ def store(layout, ring, slot, entry, flag):
   if layout is None:
     return tuple(buf.at[slot].set(select(flag, e, buf[slot])) for buf, e in zip(ring, entry))
   return layout.write(ring, entry, {n: slot * m for n, m in layout.sizes.items()}, where=flag)
+
+
+def read_padded(ring: dict, slot, sizes: dict, lengths: dict) -> dict:
+  """The SPMD engine's ring (per dtype one vector, slot after slot, each stage's slots of
+  its own `sizes`): the `lengths` elements per dtype from `slot`'s start, padding included
+  (every stage reads the largest stage's slot length)."""
+  return {n: jax.lax.dynamic_slice(ring[n], (slot * sizes[n],), (L,))
+          for n, L in lengths.items()}
+
+
+def write_padded(ring: dict, slot, sizes: dict, lengths: dict, entry: dict, flag) -> dict:
+  """`ring` with `entry` (per dtype `lengths` elements, padded) written at `slot` where
+  `flag`: only the stage's own `sizes` elements, the rest of the window kept."""
+  ring = dict(ring)
+  for n, L in lengths.items():
+    at = (slot * sizes[n],)
+    old = jax.lax.dynamic_slice(ring[n], at, (L,))
+    keep = flag & (jnp.arange(L) < sizes[n])  # a smaller slot: the rest stays
+    ring[n] = jax.lax.dynamic_update_slice(ring[n], jnp.where(keep, entry[n], old), at)
+  return ring
 
 
 def with_ring(work: Callable, s: dict, act, cot, do_fwd, do_bwd, *, size: int, layout,

@@ -3,7 +3,8 @@
 `Schedule(..., telemetry=True)` keeps, per stash entry, the weights the forward ran at and,
 on stage 0, the batch; `Schedule.telemetry(state)` then measures, for each stage that
 applies a stale gradient at the next tick, the weight discrepancy and the cosine between
-that gradient and the fresh one of the same batch. The methods below are `Schedule`'s.
+that gradient and the fresh one of the same batch (what telemetry adds to a stash entry:
+`StageMath.telemetry_extras`). The methods below are `Schedule`'s.
 """
 
 from __future__ import annotations
@@ -17,13 +18,6 @@ from fdg_jax.stages import stage_key
 
 class Telemetry:
   """`Schedule`'s telemetry methods (a mixin: they read the schedule's stages and state)."""
-
-  def _telemetry_extras(self, k, params_fwd, x, y) -> tuple:
-    """What telemetry adds to stage k's stash entry: the weights its forward ran at and,
-    on stage 0, the batch itself (every batch awaiting a gradient is in stage 0's ring)."""
-    if not self.telemetry_enabled:
-      return ()
-    return tuple(jax.tree.leaves(params_fwd)) + ((x, y) if k == 0 else ())
 
   def telemetry(self, state) -> dict:
     """How stale the gradients are that the stages apply at the next tick.
@@ -52,7 +46,7 @@ class Telemetry:
     home = self.placement.state_shardings[0]
     fresh_inputs = None
     for k in range(K - 1):
-      if self.delays[k] == 0 or self._flags(k, t)[1] is not True:
+      if self.delays[k] == 0 or self.plan.flags(k, t)[1] is not True:
         continue
       grads, discrepancy, b = self._telemetry_fn("applied", k)(
           state["stages"][k], state["inbox"][k]["cot"])
@@ -74,16 +68,16 @@ class Telemetry:
     if key in self._telemetry_fns:
       return self._telemetry_fns[key]
     D = self.ring_sizes[k]
-    n = self._core_entry_sizes[k]
+    n = self.shapes.core_entry_sizes[k]
 
     def applied(packed, cot):
-      s = self._unpack_stage(k, packed)
+      s = self.math.unpack_stage(k, packed)
       slot = s["pops"] % D
       stash = s["stash"]  # rings per leaf here
       entry = tuple(stash["head"] if "head" in stash
-                    else self._ring_load(k, stash["ring"], slot))
+                    else self.math.ring_load(k, stash["ring"], slot))
       b = s["stash_batch"][slot]
-      grads, _ = self._backward(k, s["params"], s["model_state"], s["opt_state"], entry, cot,
+      grads, _ = self.math.backward(k, s["params"], s["model_state"], s["opt_state"], entry, cot,
                                 stage_key(s["rng"], b))
       leaves, treedef = jax.tree.flatten(s["params"])
       theta_fwd = entry[n:n + len(leaves)]
@@ -92,7 +86,7 @@ class Telemetry:
       return grads, jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(sq(leaves)), 1e-30), b
 
     def batch(packed, b):
-      s = self._unpack_stage(0, packed)
+      s = self.math.unpack_stage(0, packed)
       hit = s["stash_batch"] == b
       slot = jnp.argmax(hit)
       ring = s["stash"]["ring"]

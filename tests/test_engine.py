@@ -181,8 +181,8 @@ def test_run_compiles_once_per_buffer_length():
                   for a in (xs, ys))
     state, _ = sched.run(state, chunk, num_ticks=n)
     start += n
-  assert sched._step_fns[("fused", 8)]._cache_size() == 1
-  assert [key for key in sched._step_fns if key[0] == "fused"] == [("fused", 8)]
+  assert sched.engine_impl.fns[("fused", 8)]._cache_size() == 1
+  assert [key for key in sched.engine_impl.fns if key[0] == "fused"] == [("fused", 8)]
 
 
 def test_state_is_a_few_buffers_per_stage():
@@ -280,7 +280,7 @@ def test_spmd_engine_compiles_once_per_buffer_length_and_keeps_few_buffers():
                   for a in (xs, ys))
     state, _ = sched.run(state, chunk, num_ticks=n)
     start += n
-  assert sched._spmd._program(8)._cache_size() == 1
+  assert sched.engine_impl.program(8)._cache_size() == 1
   for k in range(K):  # one padded vector per dtype per stage, on the stage's device
     flat = state["stages"][k]["flat"]
     assert sorted(flat) == ["bool", "float32", "int32", "uint32"]  # bool: ReLU masks
@@ -306,7 +306,7 @@ def test_spmd_engine_advances_two_states_alternately():
   sched = make(engine="spmd")
   other = jax.tree.map(lambda a: 0.5 * a, params)
   a, b = sched.init(params, states), sched.init(other, states)
-  engine, assembled = sched._spmd, []
+  engine, assembled = sched.engine_impl, []
   on_mesh = engine._on_mesh
   engine._on_mesh = lambda parts, spec: (
       assembled.append(isinstance(parts[0], dict)) or on_mesh(parts, spec))  # not batches
@@ -384,7 +384,7 @@ def test_default_gate_is_conditionals_for_small_fdg_ticks_on_cpu():
     sched = fdg_jax.create(algorithm, stages, loss_fn, optax.sgd(0.1), **kwargs)
     sched.init(params, states, example_batch=(jnp.zeros((batch, 8, 8, 1)),
                                               jnp.zeros(batch, jnp.int32)))
-    return sched.gate, sched._forward_flops()
+    return sched.gate, sched.forward_flops()
 
   g, flops = gate("mlp", [128] * 4)  # the quick start: 64 -> 4 x 128 -> 10, batch 32
   assert g == "cond"
@@ -432,7 +432,7 @@ def test_per_stage_engine_keeps_flat_rings_updated_in_place(options, heads):
   assert fused.stash_bytes(fused_state)[0] == (D + extra) * slot + 4 * D
   for _ in range(3):
     state, _ = flat.step(state, batch)
-  call = flat._stage_fn(0, True, True)
+  call = flat.engine_impl.stage_call(0, True, True)
   packed = state["stages"][0]
   (rest,), apart = fdg_jax.ring.without_heads([packed])
   hlo = call.jitted.lower(rest, apart, batch, state["inbox"][0]["cot"]).compile().as_text()
@@ -473,7 +473,7 @@ def test_fused_loop_carries_a_tick_state_without_copies_on_cpu():
     state, _ = sched.run(state, (xs, ys))
     assert sched.gate == (gate or "cond")
     (rest, heads) = fdg_jax.ring.without_heads(state["stages"])
-    lowered = sched._fused_fn(len(data)).jitted.lower(
+    lowered = sched.engine_impl.program(len(data)).jitted.lower(
         rest, heads, state["inbox"], xs, ys, np.int32(0), np.int32(len(data)))
     copies[name] = _loop_body_copies(lowered.compile().as_text())
   assert sched.compiler_options == {"xla_cpu_copy_insertion_use_region_analysis": True}
@@ -489,7 +489,7 @@ def test_switch_returns_what_its_branches_pass_on_from_outside_the_conditional()
   """`engines.switch` leaves out of the conditional an output every branch whose part is
   used returns unchanged from an operand or as an earlier output; the values are those of
   `lax.switch` where used."""
-  from fdg_jax.engines import switch as _switch
+  from fdg_jax.engines.fused_ops import switch as _switch
   x, y = jnp.arange(3.0), jnp.arange(3.0) + 10
   branches = [lambda x, y: (x, jnp.zeros(3), y),            # part 1 unused here
               lambda x, y: (x, 2 * y, y),
@@ -533,7 +533,7 @@ def test_switch_returns_what_its_branches_pass_on_from_outside_the_conditional()
 def test_always_true_is_true_for_any_value_and_not_folded():
   """The chain of `_GatedOps` rests on a test XLA cannot prove: were it folded, the stages
   would no longer be ordered (their results would not change: only their speed)."""
-  from fdg_jax.engines import always_true as _always_true
+  from fdg_jax.engines.fused_ops import always_true as _always_true
   values = [np.float32(np.nan), np.float32(-np.inf), np.float32(-0.0), np.float16(-1),
             np.int32(np.iinfo(np.int32).min), np.int32(0), np.bool_(False),
             jnp.bfloat16(-3.0)]
@@ -599,7 +599,7 @@ def test_spmd_engine_over_replicas_equals_per_replica_reference(kind, beta, back
     assert_trees_close(jax.device_get(sched.stage_state(state, k)),
                        jax.device_get(ref.stage_state(ref_state, k)), atol=1e-6)
     # Every replica keeps the same copy of its stage's core state, bit for bit.
-    cores = sched._spmd.layouts()[1]["core"]
+    cores = sched.engine_impl.vectors.layouts()[1]["core"]
     for name, vector in state["stages"][k]["flat"].items():
       if name in cores:
         rows = np.asarray(vector).reshape(R, -1)[:, :cores[name]]

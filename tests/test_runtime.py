@@ -33,7 +33,7 @@ def run(schedule, params, states, data):
 
 
 def cache_sizes(schedule):
-  return {key: fn._cache_size() for key, fn in schedule._step_fns.items()}
+  return {key: fn._cache_size() for key, fn in schedule.engine_impl.fns.items()}
 
 
 # ---------------------------------------------------------------------------- placement

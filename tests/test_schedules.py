@@ -200,11 +200,11 @@ def test_steady_state_does_not_retrace(algorithm, backward):
   data = batches(4 * K)
   for b in data[:2 * K]:  # past the warm-up: every variant has been compiled once
     state, _ = sched.step(state, b)
-  sizes = {key: fn._cache_size() for key, fn in sched._step_fns.items()}
+  sizes = {key: fn._cache_size() for key, fn in sched.engine_impl.fns.items()}
   assert all(v == 1 for v in sizes.values()), sizes
   for b in data[2 * K:]:
     state, _ = sched.step(state, b)
-  assert {key: fn._cache_size() for key, fn in sched._step_fns.items()} == sizes
+  assert {key: fn._cache_size() for key, fn in sched.engine_impl.fns.items()} == sizes
 
 
 def test_evaluate_is_the_unsplit_eval_forward():

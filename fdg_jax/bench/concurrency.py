@@ -102,15 +102,10 @@ def stage_times(sched, state, batch, ticks: int) -> list[float]:
   out = []
   for k in range(K):
     s = jax.tree.map(lambda a: a.copy(), state["stages"][k])
-    if k == K - 1:
-      fn = sched._last_fn()
-      act = batch if K == 1 else state["inbox"][k].get("act")
-      run = lambda s: fn(s, act)[0]
-    else:
-      fn = sched._stage_fn(k, True, True)
-      act = batch if k == 0 else state["inbox"][k].get("act")
-      cot = state["inbox"][k].get("cot")
-      run = lambda s: fn(s, act, cot)[0]
+    fn = sched.engine_impl.stage_call(k, True, True)
+    act = batch if k == 0 else state["inbox"][k].get("act")
+    cot = state["inbox"][k].get("cot") if k < K - 1 else None
+    run = lambda s, fn=fn, act=act, cot=cot: fn(s, act, cot)[0]
     s = jax.block_until_ready(run(s))  # compiled already; one untimed call
     times = []
     for _ in range(ticks):

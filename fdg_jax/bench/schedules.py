@@ -779,95 +779,70 @@ def transfer_time(nbytes: int, *, calls: int, repeats: int, link_gbps: float,
 def predict(times: Sequence[dict], transfers: Sequence[float],
             microbatches: Sequence[int] = (4, 16), host_s: dict | None = None,
             allreduce_s: float | None = None) -> dict:
-  """Critical-path tick times (seconds) of K stages on K devices, and speed-ups over BP.
+  """Tick times (seconds) of every registered plan on K devices, and speed-ups over BP.
 
   Args:
     times: per stage k, {"forward_s": f_k, "backward_s": b_k, "tick_s": w_k = f_k + b_k}
       measured on one device (the last stage's w includes the loss).
     transfers: c_k, seconds to send stage k's output (or the same-sized cotangent) across
       boundary k, k = 0..K-2.
-    microbatches: M values for the GPipe model.
+    microbatches: M values for the plans that split the batch (GPipe, 1F1B, ...).
+    host_s: {name: h}, seconds for `step` to return (measured for the per-stage engine on
+      K devices): an asynchronous tick cannot be shorter than the host's dispatch of one.
     allreduce_s: seconds to all-reduce the whole model's gradients over K devices (ring:
       2(K-1) transfers of 1/K of the parameter bytes); with it, data parallelism is modelled.
 
-  All models assume that links are full duplex, that a transfer is not overlapped with the
-  compute of the same stage, that a stage's time does not change when it runs beside others,
-  and that a device runs its calls one at a time. Two assumptions about ticks:
+  Every plan's tick comes from its calls (`fdg_jax.cost.tick_time`: each call's compute on
+  its stage's device, each message's transfer, a device running its calls one at a time in
+  the plan's order), so a user's registered plan gets a prediction too:
 
-  synchronous ticks (every tick ends before the next starts, as if the host blocked on it):
-    bp:   one device, T = sum_k w_k (the baseline of every speed-up).
-    fdg:  every stage works concurrently on messages of the previous tick (ALGORITHMS.md),
-          T = max_k w_k + max_k c_k.
-    ddg:  ALGORITHMS.md's tick order, forward before backward on each stage: the forward
-          chain reaches stage k at a_k = sum_{j<k} (f_j + c_j); stage k < K-1 then does its
-          backward (of the cotangent that arrived last tick) and sends the result: done at
-          a_k + f_k + b_k + c_{k-1}; the last stage at a_{K-1} + w_{K-1} + c_{K-2}.
-          T = max of these.
+  - "bp": backpropagation on one device, T = sum_k w_k, the baseline of every speed-up;
+  - NAME (each registered plan that does not split the batch, BP's plan on K devices
+    included): synchronous ticks, every tick ending before the next starts (as if the host
+    blocked on it); NAME_async: ticks overlapping as far as their data allow (what `step`
+    does: it returns without waiting), the host's dispatch taken as hidden unless `host_s`
+    gives it (then max(T, h), flagged `host_bound` where h > T: the devices wait for the
+    host; the remedies: `run` on the fused engine, or for FDG on K devices the SPMD
+    engine, one call per T ticks);
+  - NAME_M (each plan that splits the batch, for each M): synchronous ticks with
+    per-micro-batch times f_k/M, b_k/M, c_k/M (linear scaling: optimistic for small
+    micro-batches); `bubble` is the devices' idle share of the tick, 1 - sum_k w_k / (K T);
+  - "dp": data parallelism over the same K devices: each runs the whole model on B/K
+    (linear scaling), then the gradients are all-reduced, not overlapped:
+    T = sum_k w_k / K + allreduce_s.
 
-  asynchronous ticks (what the schedules do: `step` returns without waiting, so the calls of
-  later ticks are queued while earlier ones run and only data dependencies order them; the
-  steady-state tick is the heaviest dependency cycle, its time over the ticks it spans, and
-  the host's dispatch time, 2K-1 calls per tick for DDG and K for FDG, is taken as hidden):
-    ddg_async: the DDG calls as implemented: per device, in dispatch order, the forward of
-          b_t (f_k; it waits for device k-1's forward of b_t, + c_{k-1}) and then the delayed
-          backward (b_k; it waits for the cotangent device k+1 sent at tick t-1, + c_k); the
-          last stage's loss step is one call (w_{K-1}). A cycle climbs the forward chain from
-          stage j to stage m within a tick and returns down the backward chain, one tick per
-          hop, plus one tick back to stage j's next forward:
-          T = max_{j<=m} (sum_{i=j..m} w_i + 2 sum_{i=j..m-1} c_i) / (m - j + 1).
-    fdg_async: FDG's fused backward-then-forward call per stage; its messages cross a
-          boundary one tick later in either direction, so the cycles are a stage alone and
-          two neighbours: T = max(max_k w_k, max_k (w_k + w_{k+1} + 2 c_k) / 2).
-    Both are at most max_k w_k + 2 max_k c_k: with asynchronous ticks DDG's forward chain
-    bounds the latency of one batch, not the rate of the pipeline.
-
-  host time: with `host_s` = {"fdg": h, "ddg": h'} (seconds for `step` to return, measured
-  for the per-stage engine on K devices), the asynchronous ticks cannot be shorter than the
-  host's dispatch of one tick: fdg_async/ddg_async become max(T, h) and are flagged
-  `host_bound` where h > T (the devices then wait for the host; the remedies: `run` with
-  the fused engine on one device, or, for FDG on K devices, the SPMD engine, one call per T
-  ticks).
-
-  gpipe_M: synchronous pipeline, M micro-batches of B/M with per-micro-batch times f_k/M,
-          b_k/M, c_k/M (linear scaling: optimistic for small micro-batches); forward then
-          backward each take (M + K - 1) slots of the slowest stage,
-          T = (M+K-1)/M * (max f + max b + 2 max c); bubble (K-1)/(M+K-1).
-  1f1b_M: 1F1B (PipeDream-Flush) runs the same actions with the same dependencies, so in
-          this model its tick equals GPipe's; what it saves is stash memory (min(M, K-k)
-          micro-batches on stage k instead of M).
-  dp:     data parallelism over the same K devices: each runs the whole model on B/K
-          (linear scaling, as for GPipe), then the gradients are all-reduced, not
-          overlapped: T = sum_k w_k / K + allreduce_s.
+  The models assume full-duplex links, a transfer not overlapped with the compute of the same
+  stage, and a stage's time unchanged when it runs beside others. For BP, DDG and FDG the
+  plan-derived ticks equal the closed forms of ALGORITHMS.md's tick orders (tested): DDG
+  synchronous max_k of a_k + f_k + b_k + c_{k-1} with a_k = sum_{j<k} (f_j + c_j); FDG
+  asynchronous max(max_k w_k, max_k (w_k + w_{k+1} + 2 c_k) / 2); DDG asynchronous the
+  heaviest cycle max_{j<=m} (sum_{i=j..m} w_i + 2 sum_{i=j..m-1} c_i) / (m - j + 1).
   """
+  from fdg_jax import cost
   K = len(times)
   f = [t["forward_s"] for t in times]
   b = [t["backward_s"] for t in times]
   w = [t["tick_s"] for t in times]
-  c = list(transfers) + [0.0]  # c[K-1] = 0: the last stage sends nothing forward
-  cmax = max(transfers) if transfers else 0.0
   t_bp = sum(w)
-  t_fdg = max(w) + cmax
-  a, ends = 0.0, []
-  for k in range(K - 1):
-    ends.append(a + f[k] + b[k] + (c[k - 1] if k > 0 else 0.0))
-    a += f[k] + c[k]
-  ends.append(a + w[K - 1] + (c[K - 2] if K > 1 else 0.0))
-  t_ddg = max(ends)
-  t_ddg_async = max((sum(w[j:m + 1]) + 2 * sum(c[j:m])) / (m - j + 1)
-                    for j in range(K) for m in range(j, K))
-  t_fdg_async = max([max(w)] + [(w[k] + w[k + 1] + 2 * c[k]) / 2 for k in range(K - 1)])
   out = {"bp": {"tick_s": t_bp, "speedup": 1.0}}
-  for name, t in (("fdg", t_fdg), ("ddg", t_ddg), ("fdg_async", t_fdg_async),
-                  ("ddg_async", t_ddg_async)):
-    out[name] = {"tick_s": t, "speedup": t_bp / t}
-    h = (host_s or {}).get(name.replace("_async", "")) if name.endswith("_async") else None
+  for name in plans_lib.names(microbatched=False):
+    try:
+      plan = plans_lib.plan(name, K)
+    except (ValueError, TypeError, IndexError):  # a user's plan not defined for this K
+      continue
+    key = name if name != "bp" else "bp_on_devices"
+    t = cost.tick_time(plan, f, b, transfers, synchronous=True)
+    out[key] = {"tick_s": t, "speedup": t_bp / t}
+    t = cost.tick_time(plan, f, b, transfers, synchronous=False)
+    out[f"{key}_async"] = {"tick_s": t, "speedup": t_bp / t}
+    h = (host_s or {}).get(name)
     if h is not None:
-      out[name].update(tick_s=max(t, h), speedup=t_bp / max(t, h), compute_tick_s=t,
-                       host_s=h, host_bound=h > t)
-  for M in microbatches:
-    t = (M + K - 1) / M * (max(f) + max(b) + 2 * cmax)
-    out[f"gpipe_{M}"] = {"tick_s": t, "speedup": t_bp / t, "bubble": (K - 1) / (M + K - 1)}
-    out[f"1f1b_{M}"] = dict(out[f"gpipe_{M}"])
+      out[f"{key}_async"].update(tick_s=max(t, h), speedup=t_bp / max(t, h), compute_tick_s=t,
+                                 host_s=h, host_bound=h > t)
+  for name in plans_lib.names(microbatched=True):
+    for M in microbatches:
+      t = cost.tick_time(plans_lib.plan(name, K, microbatches=M), f, b, transfers)
+      out[f"{name}_{M}"] = {"tick_s": t, "speedup": t_bp / t, "bubble": 1 - t_bp / (K * t)}
   if allreduce_s is not None:
     t = t_bp / K + (allreduce_s if K > 1 else 0.0)
     out["dp"] = {"tick_s": t, "speedup": t_bp / t, "allreduce_s": allreduce_s}
@@ -896,7 +871,7 @@ def bench_speedup(args, model, throughput_rows=None) -> dict:
                              link_gbps=args.link_gbps, link_latency_us=args.link_latency_us)
       transfers.append(c)
     # The host's time to dispatch one tick on K devices, where the throughput run measured it.
-    host = {a: tp[(a, K)]["host_time_s"]["median"] for a in ("fdg", "ddg")
+    host = {a: tp[(a, K)]["host_time_s"]["median"] for a in ALGORITHMS
             if (a, K) in tp and tp[(a, K)]["placement"] != "1 device"}
     # Data parallelism's all-reduce: 2(K-1) transfers of 1/K of the parameters (ring).
     param_bytes = sum(tree_bytes(p) for p in params)

@@ -1,124 +1,42 @@
-"""The engines' side of a tick: how a stage's work is called and how messages move.
-
-`Schedule._tick` (the interpreter of a plan, `fdg_jax.plans`) asks an engine's ops object
-for each call of the plan; the ops decide how the call runs:
-
-- `PerStageOps`, the per-stage engine: each stage's work is its own jitted call on its
-  devices, messages move with the schedule's `Placement` (`jax.device_put`);
-- `FusedOps`, the fused engine: the works are traced into one program and messages stay
-  put; a stage whose warm-up flags are traced masks its effects (`gate="mask"`);
-- `GatedOps`, the fused engine with `gate="cond"`: each such stage runs under a conditional
-  over the flag combinations it can meet, the conditionals of a tick chained.
-
-The SPMD engine (`fdg_jax.spmd`) runs the same stage works in one program over the devices.
-No algorithm's name appears here: what a tick does is the plan's.
+"""How the fused engine runs a stage's call inside its program: `FusedOps` masks the effects
+of a stage gated by traced flags (`gate="mask"`), `GatedOps` runs it under a conditional
+(`gate="cond"`), with the switch that it uses. Chosen per platform and model by
+`Schedule.gate` (`fdg_jax.tuning.default_gate`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fdg_jax import ring
-
-if TYPE_CHECKING:
-  from fdg_jax.schedules import Schedule
-
-NO_UPDATE = -1  # `run`'s `updated` entry where a stage applied no gradient
-
-
-class HeadsApart:
-  """A jitted call of the fused or per-stage engine, `(packed, *args)`, that passes the
-  heads of the stash rings apart (see `ring.without_heads`). `packed`: one stage's state
-  (`one_stage`) or the list of every stage's."""
-
-  def __init__(self, jitted, one_stage: bool):
-    self.jitted, self.one_stage = jitted, one_stage
-
-  def __call__(self, packed, *args):
-    if self.one_stage:
-      (packed,), heads = ring.without_heads([packed])
-    else:
-      packed, heads = ring.without_heads(packed)
-    return self.jitted(packed, heads, *args)
-
-  def _cache_size(self) -> int:
-    return self.jitted._cache_size()
-
-
-class PerStageOps:
-  """The per-stage engine: each stage's work a jitted call on its devices; explicit moves."""
-
-  old_messages_first = False  # see `_tick`: the order in which stages are issued
-
-  def __init__(self, schedule: Schedule):
-    self.schedule = schedule
-
-  def begin_tick(self):
-    pass
-
-  def stage(self, k, do_fwd, do_bwd):
-    return self.schedule._stage_fn(k, do_fwd, do_bwd)
-
-  def last(self, active):
-    del active  # the host calls the last stage only when it is active
-    return self.schedule._last_fn()
-
-  def move(self, k, tree):
-    return self.schedule.placement.put_batch(k, tree)
-
-  def move_all(self, messages):
-    # One batched device_put: its host cost per call dominates the dispatch of small stages.
-    return self.schedule.placement.put_batches(messages)
-
-  # A plan that accumulates: each micro-batch action a jitted call on its stage's devices.
-  def _fn(self, key, make):
-    fns = self.schedule._step_fns
-    if key not in fns:
-      fns[key] = make()
-    return fns[key]
-
-  def forward_micro(self, k):
-    fn = self._fn(("F", k), lambda: jax.jit(functools.partial(self.schedule._micro_forward, k)))
-    return lambda s, x, t, m: fn(s, x, t, np.int32(m))
-
-  def last_micro(self):
-    fn = self._fn(("L",), lambda: jax.jit(self.schedule._micro_last))
-    return lambda s, x, y, t, m: fn(s, x, y, t, np.int32(m))
-
-  def backward_micro(self, k):
-    def b(vjp_fn, cot, acc):
-      acc, gx = self.schedule._micro_backward(vjp_fn, cot, acc)
-      return acc, (gx if k > 0 else None)
-    return self._fn(("B", k), lambda: jax.jit(b))
-
-  def apply_sum(self, k):
-    return self._fn(("U", k), lambda: jax.jit(functools.partial(self.schedule._apply_sum, k),
-                                              donate_argnums=0))
+from fdg_jax.ring import select
+from fdg_jax.stage_math import NO_UPDATE
 
 
 class FusedOps:
-  """The fused engine: each stage's work traced into one program; messages stay put.
+  """Each stage's work traced into the tick's program; messages stay put. Traced flags mask
+  the work's effects (`gate="mask"`)."""
 
-  Traced flags mask the work's effects (`gate="mask"`)."""
+  old_messages_first = False  # see `interpreter.run_tick`: the order calls are issued in
 
-  old_messages_first = False
-
-  def __init__(self, schedule: Schedule):
-    self.schedule = schedule
+  def __init__(self, math):
+    self.math = math
 
   def begin_tick(self):
     pass
 
-  def stage(self, k, do_fwd, do_bwd):
-    return functools.partial(self.schedule._stage_with_ring, k, do_fwd=do_fwd, do_bwd=do_bwd)
+  def call(self, k, do_fwd, do_bwd):
+    math = self.math
+    if k == math.num_stages - 1:
+      return lambda s, act, cot: math.call(k, s, act, None, do_fwd, do_bwd)
 
-  def last(self, active):
-    return functools.partial(self.schedule._last_work, active=active)
+    def stage(s, act, cot):
+      s, act_out, cot_out, updated = math.stage_with_ring(k, s, act, cot, do_fwd, do_bwd)
+      return s, act_out, cot_out, updated, {}
+    return stage
 
   def move(self, k, tree):
     return tree
@@ -128,26 +46,23 @@ class FusedOps:
 
   # A plan that accumulates: the micro-batch actions traced into the tick's program.
   def forward_micro(self, k):
-    return functools.partial(self.schedule._micro_forward, k)
+    return functools.partial(self.math.micro_forward, k)
 
   def last_micro(self):
-    return self.schedule._micro_last
+    return self.math.micro_last
 
   def backward_micro(self, k):
-    def b(vjp_fn, cot, acc):
-      acc, gx = self.schedule._micro_backward(vjp_fn, cot, acc)
-      return acc, (gx if k > 0 else None)
-    return b
+    return functools.partial(self.math.micro_backward, k)
 
   def apply_sum(self, k):
-    return functools.partial(self.schedule._apply_sum, k)
+    return functools.partial(self.math.apply_sum, k)
 
 
 class GatedOps(FusedOps):
   """The fused engine gating by conditionals (`gate="cond"`).
 
   A stage whose flags are traced runs its work under `lax.switch` over the flag
-  combinations it can meet (`Schedule._reachable_flags`), each branch the work traced with
+  combinations it can meet (`StageMath.reachable_flags`), each branch the work traced with
   those flags as Python booleans: no masking selects, and no work in a branch that has none.
   Branches that send no message return zeros in its place (the tick keeps the old message
   where the flag is off).
@@ -163,8 +78,8 @@ class GatedOps(FusedOps):
 
   old_messages_first = True
 
-  def __init__(self, schedule: Schedule):
-    super().__init__(schedule)
+  def __init__(self, math):
+    super().__init__(math)
     self._token = None  # always True, read off what the tick's previous gated stage wrote
 
   def begin_tick(self):
@@ -176,32 +91,36 @@ class GatedOps(FusedOps):
       return value
     return jnp.where(self._token, value, jnp.zeros_like(value))
 
-  def stage(self, k, do_fwd, do_bwd):
+  def call(self, k, do_fwd, do_bwd):
     if isinstance(do_fwd, bool) and isinstance(do_bwd, bool):
-      return super().stage(k, do_fwd, do_bwd)
+      return super().call(k, do_fwd, do_bwd)
+    if k == self.math.num_stages - 1:
+      return self._last(do_fwd)
+    math = self.math
 
     def call(s, act, cot):
       s = {**s, "pops": self._chained(s["pops"])}  # the ring's read follows the chain
-      out = self.schedule._stage_with_ring(k, s, act, cot, do_fwd, do_bwd, work=self._switched)
-      last = jax.tree.leaves(out[0]["stash"]["ring"]) + [out[0]["pushes"]]
+      s, act_out, cot_out, updated = math.stage_with_ring(k, s, act, cot, do_fwd, do_bwd,
+                                                          work=self._switched)
+      last = jax.tree.leaves(s["stash"]["ring"]) + [s["pushes"]]
       self._token = functools.reduce(jnp.logical_and, map(always_true, last))
-      return out
+      return s, act_out, cot_out, updated, {}
     return call
 
   def _switched(self, k, s, act, cot, do_fwd, do_bwd):
-    """`_stage_work` under a switch over stage k's flag combinations. The ring stays outside
-    the conditional (`_stage_with_ring` reads the entry before it and writes the new one
-    after it, masked by the forward's flag): a ring a branch updated would be copied whole
-    into the conditional's result."""
-    schedule, view = self.schedule, s["stash"]
+    """`StageMath.stage_work` under a switch over stage k's flag combinations. The ring stays
+    outside the conditional (`StageMath.stage_with_ring` reads the entry before it and
+    writes the new one after it, masked by the forward's flag): a ring a branch updated
+    would be copied whole into the conditional's result."""
+    math, view = self.math, s["stash"]
     base = {name: v for name, v in s.items() if name != "stash"}
     traced = [not isinstance(f, bool) for f in (do_fwd, do_bwd)]
     combos = sorted({(f if traced[0] else do_fwd, b if traced[1] else do_bwd)
-                     for f, b in schedule._reachable_flags(k)})
+                     for f, b in math.reachable_flags(k)})
 
     def branch(f, b):
       def work(base, head, act, cot):
-        s, act_out, cot_out, updated = schedule._stage_work(
+        s, act_out, cot_out, updated = math.stage_work(
             k, {**base, "stash": ring.RingView(head, view.slot)}, act if f else None,
             cot if b else None, f, b)
         written = s.pop("stash").written
@@ -240,21 +159,20 @@ class GatedOps(FusedOps):
     s["stash"] = ring.RingView(view.head, view.slot, None if entry is None else (entry, do_fwd))
     return s, act_out, cot_out, updated
 
-  def last(self, active):
-    if isinstance(active, bool):
-      return super().last(active)
-    schedule = self.schedule
+  def _last(self, active):
+    math = self.math
 
-    def call(s, act):
+    def call(s, act, cot):
+      del cot
       s = {**s, "pushes": self._chained(s["pushes"])}
-      on = lambda s, act: schedule._last_work(s, act, True)
+      on = lambda s, act: math.last_work(s, act, True)
       _, cot_spec, metrics_spec = jax.eval_shape(on, s, act)
       zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
       off = lambda s, act: (s, zeros(cot_spec), zeros(metrics_spec))
-      out = switch(self._chained(jnp.asarray(active, jnp.int32)), [off, on], (s, act),
-                    [(True, False, False), (True, True, True)])
-      self._token = always_true(out[0]["pushes"])
-      return out
+      s, cot_out, metrics = switch(self._chained(jnp.asarray(active, jnp.int32)), [off, on],
+                                   (s, act), [(True, False, False), (True, True, True)])
+      self._token = always_true(s["pushes"])
+      return s, None, cot_out, select(active, metrics["batch"], NO_UPDATE), metrics
     return call
 
 
