@@ -22,7 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
   c = ml_collections.ConfigDict()
   # The method.
-  c.algorithm = "fdg"          # bp | ddg | fdg | gpipe | 1f1b (synchronous pipelines)
+  c.algorithm = "fdg"          # bp | ddg | fdg | pipedream | gpipe | 1f1b (synchronous)
   c.microbatches = 4           # gpipe, 1f1b: micro-batches per tick (must divide batch_size)
   c.num_stages = 4             # K: stages, each on its own device where there are K
   c.beta = 1.0                 # FDG gradient shrinking, in (0, 1]

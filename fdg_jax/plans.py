@@ -421,6 +421,21 @@ def fdg(num_stages: int) -> Plan:
   return Plan("fdg", K, tuple(calls))
 
 
+def pipedream(num_stages: int) -> Plan:
+  """PipeDream (Narayanan et al., SOSP 2019), asynchronous with weight stashing: the forward
+  is pipelined (stage k forwards batch t-k at tick t, reading what stage k-1 sent at the
+  previous tick) and the backward of the batch that reached the last stage runs down the
+  stages within the tick, each stage then updating; stage k's gradient is K-1-k updates
+  stale, computed at the weights its forward ran with, and the stages' weights behind one
+  gradient are of different versions, PipeDream's update
+  W(t+1) = W(t) - lr * grad f(W_0(t-K+1), ..., W_{K-1}(t))."""
+  K = num_stages
+  calls = [Call(K - 1, True, True, "batch" if K == 1 else "inbox", None)]
+  calls += [Call(k, True, True, "batch" if k == 0 else "inbox", "now")
+            for k in reversed(range(K - 1))]
+  return Plan("pipedream", K, tuple(calls))
+
+
 def synchronous(name: str, orders: list[list[tuple]]) -> Plan:
   """The plan of a synchronous pipeline from each stage's order of micro-batch actions
   [("F" | "B", m), ...]: the actions in one order that keeps every stage's own
@@ -599,6 +614,9 @@ register("gpipe", gpipe, delayed=False, options=("microbatches",), replicas=Fals
          description="synchronous pipeline, all forwards then all backwards")
 register("1f1b", one_f_one_b, delayed=False, options=("microbatches",), replicas=False,
          description="synchronous pipeline, one forward one backward")
+register("pipedream", pipedream, engines=("fused", "per_stage"),
+         description="PipeDream: pipelined forward, backward down the stages in the tick, "
+                     "weight stashing (Narayanan et al. 2019)")
 
 
 def peak_stash(order: list[tuple]) -> int:

@@ -116,14 +116,15 @@ def with_ring(work: Callable, s: dict, act, cot, do_fwd, do_bwd, *, size: int, l
   read = read or (lambda ring, slot: load(layout, ring, slot))
   write = write or (lambda ring, slot, entry, flag: store(layout, ring, slot, entry, flag))
   ring = s["stash"]["ring"]
-  # A one-slot ring (BP) keeps no head: a call either writes it or reads it, never both
-  # (and where both calls are in one program, XLA forwards the entry written whole).
+  # A one-slot ring keeps no head. Under BP a call either writes it or reads it (and where
+  # both calls are in one program, XLA forwards the entry written whole); a call that does
+  # both (PipeDream's stage K-2: its backward, then its forward) reads the slot before it
+  # writes it, as every call does.
   entry = s["stash"]["head"] if head else read(ring, s["pops"] % D)
   write_at = s["pushes"] % D
   s = {**s, "stash": RingView(entry, layout)}
   s, act_out, cot_out, updated = work(s, act, cot, do_fwd, do_bwd)
   if s["stash"].written is not None:
-    assert D > 1 or do_bwd is False, "a one-slot ring read and written in one call"
     entry, flag = s["stash"].written
     ring = write(ring, write_at, entry, flag)
   s["stash"] = {"ring": ring}

@@ -311,13 +311,16 @@ def test_memory_matches_residual_sizes(bench_result):
   """stash_bytes = (ring [+ head]) x slot + ring int32 batch indices, slot from `partition`."""
   rows = bench_result["memory"]
   assert {(m["algorithm"], m["backward"]) for m in rows} == {
-      (a, p) for a in ("ddg", "fdg") for p in ("stash", "recompute")}
+      (a, p) for a in ("ddg", "fdg", "pipedream") for p in ("stash", "recompute")}
   name, kwargs, shape, batch_size = bench.PRESETS["mlp_digits"]
   model = bench.build_model(name, kwargs, shape)
   x = model.example_input(batch_size)
   for m in rows:
     K, bounds = m["num_stages"], m["boundaries"]
-    rings = [2 * (K - 1 - k) if m["algorithm"] == "fdg" else K - k for k in range(K - 1)] + [0]
+    # FDG 2(K-1-k), DDG K-k (its forward stashes before its backward frees a slot),
+    # PipeDream K-1-k (its backward frees one before its forward stashes).
+    rings = [{"fdg": 2 * (K - 1 - k), "ddg": K - k, "pipedream": K - 1 - k}[m["algorithm"]]
+             for k in range(K - 1)] + [0]
     assert list(m["ring_sizes"]) == rings
     held = [partition.ring_length(k, K, m["algorithm"]) for k in range(K)]
     heads = delays.ring_heads_default(jax.default_backend())  # the schedules' default

@@ -22,7 +22,7 @@ import user_plans  # noqa: E402,F401  registers fdg_copy
 def test_builtins_are_declared_once_with_what_they_accept():
   assert plans.names() == ("bp", "ddg", "fdg", "gpipe", "1f1b") + tuple(
       n for n in plans.names() if n not in ("bp", "ddg", "fdg", "gpipe", "1f1b"))
-  assert fdg_jax.ALGORITHMS == ("bp", "ddg", "fdg")
+  assert fdg_jax.ALGORITHMS == ("bp", "ddg", "fdg", "pipedream")
   assert plans.spec("fdg").options == ("beta", "shrink_at", "backward")
   assert "spmd" in plans.spec("fdg").engines and "spmd" not in plans.spec("ddg").engines
   assert not plans.spec("bp").delayed and plans.spec("ddg").delayed

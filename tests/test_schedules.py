@@ -254,7 +254,7 @@ def test_bad_arguments_are_rejected():
   with pytest.raises(ValueError, match="beta"):
     fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), beta=0.0)
   with pytest.raises(ValueError, match="algorithm"):
-    fdg_jax.create("pipedream", stages, loss_fn, optax.sgd(0.1))
+    fdg_jax.create("zero_bubble", stages, loss_fn, optax.sgd(0.1))
   with pytest.raises(ValueError, match="backward"):
     fdg_jax.ddg(stages, loss_fn, optax.sgd(0.1), backward="nope")
   with pytest.raises(ValueError, match="devices"):

@@ -200,7 +200,7 @@ def test_paper_betas_are_used_by_default():
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("algorithm", "pipedream", "algorithm"),
+    ("algorithm", "zero_bubble", "algorithm"),
     ("model", "resnet9000", "unknown model"),
     ("dataset", "imagenet22k", "unknown dataset"),
     ("num_stages", 9, "exceeds"),
