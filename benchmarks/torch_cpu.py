@@ -6,6 +6,7 @@
     python benchmarks/torch_cpu.py --models gpt gpt_w64 --repeats 5 \
         --out docs/results/torch_cpu_gpt.json            # the GPTs, ~15 min on 2 cores
     python benchmarks/torch_cpu.py --models gpt --trace /tmp/gpt_trace   # + profiles
+    python benchmarks/torch_cpu.py --device gpu --models gpt --no_checks   # on one GPU
 
 PyTorch is not a dependency of fdg_jax: without it installed this prints how to install it
 (`pip install torch`, a CPU build is enough) and times fdg_jax alone.
@@ -45,6 +46,10 @@ core is taken, XLA's far less). Prints seconds per batch, median [min, max], the
 each figure to torch BP's and the side-by-side ratios fdg_jax BP / torch BP and fdg_jax FDG
 K=4 / torch FDG K=4 (of the medians, and their range over the repeats, each repeat's pair
 timed one after the other); writes --out (JSON).
+
+--device gpu times every contender on the machine's first GPU instead (torch on "cuda",
+synchronised before each window closes; fdg_jax on JAX's default backend; both with TF32
+matmuls, JAX's default for float32 on GPUs: torch's set_float32_matmul_precision("high")).
 
 Before timing a GPT, a checks process asserts: the torch and Flax parameter counts are
 equal; with Flax's parameters copied into the torch GPT, both give the same losses over three
@@ -234,6 +239,17 @@ class TorchWorkload:
     self.model, self.optimizer, self.loss, self.batch = model, optimizer, loss, batch
     self.bounds = bounds
 
+  def on(self, device: str) -> "TorchWorkload":
+    """The same workload with its model and batches on torch `device` ("cpu", "cuda")."""
+    if device == "cpu":
+      return self
+    model, batch = self.model, self.batch
+
+    def batch_on(n, g):
+      return tuple(t.to(device) for t in batch(n, g))
+    return TorchWorkload(lambda: model().to(device), self.optimizer, self.loss, batch_on,
+                         self.bounds)
+
   @classmethod
   def resnet20(cls):
     import torch
@@ -255,11 +271,30 @@ class TorchWorkload:
                bounds)
 
 
+def torch_device(args) -> str:
+  """The torch device of --device: "cuda" for gpu (TF32 matmuls, as JAX's default there)."""
+  if getattr(args, "device", "cpu") != "gpu":
+    return "cpu"
+  import torch
+  torch.set_float32_matmul_precision("high")
+  return "cuda"
+
+
 def torch_workload(args) -> TorchWorkload:
-  """args.model's torch workload (ResNet-20 when args has no model: conv_profile.py's)."""
+  """args.model's torch workload (ResNet-20 when args has no model: conv_profile.py's), on
+  --device's torch device."""
   if getattr(args, "model", "resnet20") == "resnet20":
-    return TorchWorkload.resnet20()
-  return TorchWorkload.gpt(args.model, args.bounds, args.torch_attention)
+    w = TorchWorkload.resnet20()
+  else:
+    w = TorchWorkload.gpt(args.model, args.bounds, args.torch_attention)
+  return w.on(torch_device(args))
+
+
+def _sync(args) -> None:
+  """Waits for torch's queued GPU work (nothing on CPU)."""
+  if torch_device(args) == "cuda":
+    import torch
+    torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------ contenders
@@ -309,9 +344,11 @@ def torch_timed(args, step, warmup: int) -> dict:
   x, y = torch_workload(args).batch(args.batch_size, g)
   for _ in range(warmup):
     step(x, y)
+  _sync(args)
   with Window() as w:
     for _ in range(args.batches):
       step(x, y)
+    _sync(args)
   return w.result(args.batches)
 
 
@@ -702,6 +739,11 @@ CONTENDERS = {"torch BP": ("torch", "bp", 1), "torch FDG K=4 (threads)": ("torch
 PAIRS = (("fdg_jax BP K=1", "torch BP"), ("fdg_jax FDG K=4", "torch FDG K=4 (threads)"))
 
 
+def env_for(args, env: dict) -> dict:
+  """A child's environment updates: with --device cpu, JAX on its CPU backend."""
+  return {**env, "JAX_PLATFORMS": "cpu"} if args.device == "cpu" else env
+
+
 def child(args) -> None:
   if args.child == "checks":
     print(json.dumps(gpt_checks(args)))
@@ -726,7 +768,8 @@ def child_argv(args, model: str, what: str) -> list[str]:
           "--batches", str(args.batches), "--warmup", str(args.warmup),
           "--ticks_per_call", str(args.ticks_per_call),
           "--bounds", ",".join(map(str, args.split_bounds.get(model, []))),
-          "--torch_attention", args.torch_attention, "--trace", args.trace]
+          "--torch_attention", args.torch_attention, "--trace", args.trace,
+          "--device", args.device]
 
 
 def measure(args, model: str, contender: str, xla_flags: str) -> dict | None:
@@ -735,7 +778,8 @@ def measure(args, model: str, contender: str, xla_flags: str) -> dict | None:
   taken again, up to args.retries times (the last one kept, whatever its load); "tries"
   counts them."""
   for attempt in range(args.retries + 1):
-    res = run_child(__file__, child_argv(args, model, contender), {"XLA_FLAGS": xla_flags})
+    res = run_child(__file__, child_argv(args, model, contender),
+                    env_for(args, {"XLA_FLAGS": xla_flags}))
     if res is None:
       return None
     res["tries"] = attempt + 1
@@ -760,9 +804,16 @@ def gpt_bounds(model: str, split: str) -> list[int]:
   return partition.boundaries(m, 4, partition.parse_split(split), example_input=x)
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
   info = {"cpus": os.cpu_count(), "platform": platform.platform(),
           "python": platform.python_version(), "note": "CPU only"}
+  if device == "gpu":
+    try:
+      import torch
+      info["note"] = f"GPU: {torch.cuda.get_device_name(0)}"
+    except ImportError:
+      import jax
+      info["note"] = f"GPU: {jax.devices()[0].device_kind}"
   for mod in ("jax", "torch"):
     with contextlib.suppress(ImportError):
       info[mod] = __import__(mod).__version__
@@ -854,6 +905,9 @@ def main(argv=None) -> int:
                       help="GPTs: profile one process of each contender into this directory "
                       "instead of timing (fdg_jax: JAX's profiler by XLA:CPU thunk kind; "
                       "torch: torch.profiler by operator)")
+  parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+                      help="where every contender runs: the CPU (JAX_PLATFORMS=cpu for "
+                      "fdg_jax) or the first GPU (torch on cuda, fdg_jax's default backend)")
   parser.add_argument("--out", default="")
   parser.add_argument("--child", default="", help=argparse.SUPPRESS)
   parser.add_argument("--bounds", default="", help=argparse.SUPPRESS)
@@ -864,7 +918,7 @@ def main(argv=None) -> int:
     child(args)
     return 0
   start = time.perf_counter()
-  info = machine()
+  info = machine(args.device)
   args.split_bounds = {m: gpt_bounds(m, args.gpt_split) for m in args.models if m != "resnet20"}
   chosen = {c: lib for c, (lib, alg, _) in CONTENDERS.items() if not args.bp_only or alg == "bp"}
   ours = [c for c, lib in chosen.items() if lib == "fdg_jax"]
@@ -885,7 +939,7 @@ def main(argv=None) -> int:
   checks = {}
   if have_torch and not args.no_checks:
     for model in args.split_bounds:
-      checks[model] = run_child(__file__, child_argv(args, model, "checks"))
+      checks[model] = run_child(__file__, child_argv(args, model, "checks"), env_for(args, {}))
       if checks[model] is None:
         print(f"{model}: the checks failed; not timing it")
         return 1
@@ -905,7 +959,7 @@ def main(argv=None) -> int:
           hlo = os.path.join(os.path.abspath(args.trace), f"hlo_{model}_{c.split()[1]}")
           env = {"XLA_FLAGS": f"{flags} --xla_dump_to={hlo} --xla_dump_hlo_as_text".strip(),
                  "FDG_TRACE_HLO": hlo}
-        res = run_child(__file__, child_argv(args, model, f"trace:{c}"), env)
+        res = run_child(__file__, child_argv(args, model, f"trace:{c}"), env_for(args, env))
         profiles.setdefault(model, {})[label] = res
         if res is not None:
           print_profile(model, label, res)
@@ -933,7 +987,7 @@ def main(argv=None) -> int:
   records = {m: {**report(m, args, times[m], flags, windows[m]), "windows": windows[m]}
              for m in args.models}
   wall = time.perf_counter() - start
-  print(f"\n{os.cpu_count()} CPUs (CPU only); {wall:.0f} s in all")
+  print(f"\n{os.cpu_count()} CPUs ({info['note']}); {wall:.0f} s in all")
   if args.out:
     out = {"args": vars(args), "machine": info, "checks": checks, "workloads": records,
            "wall_s": wall}
