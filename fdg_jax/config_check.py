@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fdg_jax import plans
 from fdg_jax.optim import methods as staleness_methods
+from fdg_jax.optim.factory import make_optimizer
 from fdg_jax.schedules import BACKWARD_POLICIES
 
 
@@ -214,7 +215,6 @@ def optimizer_hparams(config) -> dict:
 
 def _validate_optimizer(config) -> None:
   """The optimizer's name and parameters, by building it once (nothing is allocated)."""
-  from fdg_jax.optim import make_optimizer
   try:
     make_optimizer(config.optimizer, 1e-3, momentum=config.momentum,
                    nesterov=config.nesterov, weight_decay=config.weight_decay,

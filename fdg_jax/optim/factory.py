@@ -99,8 +99,9 @@ def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
   - the library's own (`OWN`: basis_rotation, nadam_warmup) and any optax or optax.contrib
     optimiser (adamw, nadam, nadamw, lion, muon, ...). momentum, nesterov and weight_decay
     are passed where the optimiser has a parameter of that name (weight_decay must be 0 for
-    one that has none; momentum 0 and nesterov False leave the optimiser's own defaults); `hparams` (b1, b2, eps, beta, ...) must each be one of its
-    parameters. ValueError (one line) for an unknown name or parameter.
+    one that has none; momentum 0 and nesterov False leave the optimiser's own defaults);
+    `hparams` (b1, b2, eps, beta, ...) must each be one of its parameters. ValueError (one
+    line) for an unknown name or parameter.
 
   A second rate among `hparams` (a float parameter named `*_learning_rate`, e.g. muon's
   `adam_learning_rate` for its non-matrix leaves) follows `learning_rate`'s schedule when
