@@ -213,7 +213,7 @@ _DECAY = dict(valid=_unit_interval, expect="must lie in [0, 1)")
 
 # The order here is METHODS' order (error messages list it); `layer` orders combinations.
 REGISTRY: dict[str, Method] = {m.name: m for m in (
-    Method("none", _none, layer=1),
+    Method("none", _none, layer=1),  # the base alone (never part of a combination)
     Method("lr_by_delay", _lr_by_delay, layer=1, hparams=(
         Hparam("ramp_steps", required=True,
                note="T_r, in updates; PipeNAG's code uses 7 epochs",
