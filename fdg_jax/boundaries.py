@@ -44,6 +44,7 @@ def check_boundaries(bounds, num_stages: int, num_blocks: int) -> list[int]:
 
 
 def check_num_stages(num_stages, num_blocks):
+  """ValueError unless 1 <= num_stages <= num_blocks (an integer)."""
   if not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
     raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
   if num_stages > num_blocks:

@@ -41,6 +41,7 @@ def _lr(learning_rate, count):
 
 
 class BasisRotationState(NamedTuple):
+  """The state of `basis_rotation`."""
   count: jax.Array  # int32: updates applied so far
   mu: Any           # first moment per leaf, in the leaf's own coordinates
   nu: Any           # second moment: per plain leaf; per group [B, m, n] in the rotated basis
@@ -242,6 +243,7 @@ def basis_rotation(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float
 
 
 class NadamWarmupState(NamedTuple):
+  """The state of `nadam_warmup`."""
   count: jax.Array       # int32: updates applied so far
   mu_product: jax.Array  # float32: prod_{i <= t} mu_i
   m: Any

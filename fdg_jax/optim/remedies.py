@@ -81,6 +81,7 @@ from fdg_jax.optim.delayed import (DelayedTransformation, chain, check_delay, id
 
 
 class LrByDelayState(NamedTuple):
+  """The state of `lr_by_delay`."""
   count: jax.Array  # int32: updates applied so far
 
 
@@ -125,6 +126,7 @@ def lr_by_delay(delay: int, ramp_steps: int | None,
 
 
 class WeightPredictionState(NamedTuple):
+  """The state of `weight_prediction`."""
   inner: Any         # the inner optimiser's state
   last_update: Any   # the last update the inner optimiser produced (zeros before the first)
 
@@ -167,6 +169,7 @@ def weight_prediction(inner, delay: int, horizon: Optional[float] = None) -> Del
 
 
 class SpikeCompensationState(NamedTuple):
+  """The state of `spike_compensation`."""
   velocity: Any
 
 
@@ -204,6 +207,7 @@ def spike_compensation(learning_rate, delay: int, momentum: float) -> optax.Grad
 
 
 class DelayCompensationState(NamedTuple):
+  """The state of `delay_compensation`."""
   ring: Any                # per leaf (delay+1, *shape): forward weights, slot = forward no. % size
   forward_slot: jax.Array  # int32: the slot the next forward writes
   update_slot: jax.Array   # int32: the slot the next update reads
@@ -259,6 +263,7 @@ def delay_compensation(delay: int, lam: float = 0.04, adaptive: bool = False, de
 
 
 class NesterovDelayState(NamedTuple):
+  """The state of `nesterov_delay`."""
   increment: Any  # Delta_t = theta_t - theta_{t-1}, the last update applied
 
 
@@ -297,6 +302,7 @@ def nesterov_delay(learning_rate, delay: int, momentum: float = 0.99) -> Delayed
 
 
 class ErrorFeedbackState(NamedTuple):
+  """The state of `error_feedback`."""
   inner: Any
   last_update: Any   # the inner optimiser's previous update (zeros before the first)
   seen: jax.Array    # int32: 1 once there was a previous update
@@ -346,6 +352,7 @@ def error_feedback(inner, delay: int, strength: float = 1.0) -> DelayedTransform
 
 
 class DiscrepancyState(NamedTuple):
+  """The state of `discrepancy_correction`."""
   increment: Any  # delta: the decayed average of the weight increments
 
 

@@ -43,9 +43,11 @@ class Checkpointer:
                                              enable_async_checkpointing=False))
 
   def latest_step(self) -> int | None:
+    """The newest checkpoint's step (None: none yet)."""
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict, progress: dict) -> None:
+    """Writes the checkpoint of `step` and waits until it is on disk."""
     ocp = self._ocp
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(runtime_arrays.to_checkpoint(state)),
@@ -102,6 +104,7 @@ class Checkpointer:
     self.manager.reload()
 
   def restore(self, step: int, target_state):
+    """(state, data position, progress) of checkpoint `step`, in `target_state`'s layout."""
     ocp = self._ocp
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(runtime_arrays.checkpoint_target(target_state)),
@@ -111,6 +114,7 @@ class Checkpointer:
     return state, restored["data"], restored["progress"]
 
   def close(self):
+    """Closes the orbax manager."""
     self.manager.close()
 
 

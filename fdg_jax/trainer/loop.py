@@ -158,6 +158,7 @@ class TrainingLoop:
 
   # ---- training ----------------------------------------------------------------------------
   def at(self, every: int) -> bool:
+    """Whether the current step is a multiple of `every`."""
     return self.step % every == 0
 
   def ticks_to_next_boundary(self) -> int:
@@ -189,6 +190,7 @@ class TrainingLoop:
     return xs, ys
 
   def train_until_next_boundary(self) -> None:
+    """One `schedule.run` call up to the next boundary; its losses stay on the device."""
     if self.bar is None and self.config.progress_bar:
       self.bar = progress_bar(self.config, self.run.steps_per_epoch, self.step)
     num_ticks = self.ticks_to_next_boundary()
@@ -228,6 +230,7 @@ class TrainingLoop:
 
   # ---- reporting ---------------------------------------------------------------------------
   def log_progress(self) -> None:
+    """At a log step: reads the pending losses and updates the progress bar."""
     self.flush_losses()
     p = self.progress
     if self.bar is not None and p["train_count"]:
@@ -250,6 +253,7 @@ class TrainingLoop:
     return self.step % self.run.steps_per_epoch == 0
 
   def evaluation_due(self) -> bool:
+    """Whether the current step evaluates (epoch end, eval_every_steps, the last step)."""
     epoch = self.step // self.run.steps_per_epoch
     every = self.config.get("eval_every_steps", 0)
     return ((self._end_of_epoch() and epoch % self.config.eval_every_epochs == 0)
@@ -328,6 +332,7 @@ class TrainingLoop:
 
   # ---- end ---------------------------------------------------------------------------------
   def close(self) -> None:
+    """Closes the bar, the data iterator, the metrics writer and the checkpointer."""
     if self.bar is not None:
       self.bar.close()
     self.run.train_iter.close()

@@ -64,6 +64,7 @@ class MetricWriter:
       self.tb = None
 
   def write(self, record: dict) -> None:
+    """Appends `record` to metrics.jsonl and its numbers to TensorBoard."""
     if not self.enabled:
       return
     with open(self.path, "a") as f:
@@ -79,5 +80,6 @@ class MetricWriter:
       self.tb.flush()
 
   def close(self):
+    """Closes the TensorBoard writer."""
     if self.tb is not None:
       self.tb.close()
