@@ -11,7 +11,7 @@ patch 2) split uniformly into 4 stages, FDG with `fdg_jax.optimizers.basis_rotat
 device k mod D), with D = 1, 2 or 4 forced CPU devices. Prints one row per case: finished or
 wedged, seconds to the first tick (compilation) and for the 60 ticks; writes --out (JSON).
 With jaxlib 0.10's batched LAPACK kernels these cases wedged on 1 and 2 devices before
-`fdg_jax.cpu_lapack` (its docstring says why).
+`fdg_jax.optim.cpu_lapack` (its docstring says why).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def child(devices: int, engine: str, call: str, ticks: int, keep_blas_threads: b
   import optax
   import fdg_jax
   from fdg_jax import models, optimizers, partition
-  if keep_blas_threads:  # the library's setting undone, to measure what it saves
-    optimizers.single_threaded_scipy_blas = lambda: False
+  from fdg_jax.optim import adaptive
+  if keep_blas_threads:  # the library's setting undone (where basis_rotation calls it)
+    adaptive.single_threaded_scipy_blas = lambda: False
   model = models.create("vit", num_classes=10, input_shape=(8, 8, 1), patch_size=2)
   x = np.zeros((1, 8, 8, 1), np.float32)
   stages = partition.split(model, 4, "uniform", example_input=x)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from fdg_jax import plans
+from fdg_jax.optim import methods as staleness_methods
+from fdg_jax.optim.factory import make_optimizer
 from fdg_jax.schedules import BACKWARD_POLICIES
 
 
@@ -149,6 +151,7 @@ def validate_fields(config) -> None:
   if config.warmup_epochs < 0 or config.warmup_epochs > config.num_epochs:
     _fail(f"warmup_epochs={config.warmup_epochs} must lie in [0, num_epochs]")
   _validate_staleness(config)
+  _validate_telemetry(config)
   if config.get("dtype", "float32") not in ("float32", "bfloat16"):
     _fail(f"unknown dtype {config.dtype!r}; use --config.dtype=float32|bfloat16 (bfloat16: "
           "compute and activations in bf16, float32 weights and optimizer state)")
@@ -212,7 +215,6 @@ def optimizer_hparams(config) -> dict:
 
 def _validate_optimizer(config) -> None:
   """The optimizer's name and parameters, by building it once (nothing is allocated)."""
-  from fdg_jax.optim import make_optimizer
   try:
     make_optimizer(config.optimizer, 1e-3, momentum=config.momentum,
                    nesterov=config.nesterov, weight_decay=config.weight_decay,
@@ -223,30 +225,13 @@ def _validate_optimizer(config) -> None:
 
 
 def _validate_staleness(config) -> None:
-  from fdg_jax.staleness import METHODS, parse_methods
-  method = config.get("staleness", "none")
-  if method == "auto":  # resolved by trainer.resolve_auto into one of the others
-    return
-  if "+" in method:
-    try:
-      parts = parse_methods(method)
-    except ValueError as e:
-      _fail(str(e))
-  elif method not in METHODS:
-    _fail(f"unknown staleness {method!r}; use --config.staleness=auto|{'|'.join(METHODS)} "
-          "(or several joined by '+')")
-  else:
-    parts = (method,)
-  for rule in {"spike_compensation", "nesterov_delay"} & set(parts):
-    if config.optimizer != "sgd":
-      _fail(f"staleness {rule} replaces SGD's rule; use --config.optimizer=sgd")
-  if "spike_compensation" in parts and (not 0.0 < config.momentum < 1.0 or config.nesterov):
-    _fail("staleness=spike_compensation compensates heavy-ball momentum: set "
-          "--config.momentum in (0, 1) and --config.nesterov=False")
-  if not 0.0 <= config.get("nesterov_gamma", 0.99) < 1.0:
-    _fail(f"nesterov_gamma={config.nesterov_gamma} must lie in [0, 1)")
-  if not 0.0 <= config.get("dc_decay", 0.95) < 1.0:
-    _fail(f"dc_decay={config.dc_decay} must lie in [0, 1)")
+  """The staleness method and its fields, as the method registry declares them."""
+  problem = staleness_methods.config_problem(config)
+  if problem:
+    _fail(problem)
+
+
+def _validate_telemetry(config) -> None:
   every = config.get("telemetry_every_steps", 0)
   if not isinstance(every, int) or every < 0:
     _fail(f"telemetry_every_steps={every} must be an integer >= 0 (0: off)")

@@ -31,6 +31,10 @@ import numpy as np
 
 from fdg_jax.models import BlockRange, Model
 from fdg_jax import plans
+# The boundary helpers are partition's API too; they live apart so that fdg_jax.stages,
+# which this module imports, can use them without importing it back.
+from fdg_jax.boundaries import (check_boundaries, check_num_stages, stage_ranges,
+                                uniform_boundaries)
 from fdg_jax.delays import ring_heads_default, slots_held
 from fdg_jax.stages import Residuals, Stage, training_vjp
 
@@ -78,54 +82,6 @@ def parse_split(text):
                      f"indices such as 3,6,9; got {text!r}") from None
 
 
-def stage_ranges(bounds: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
-  """[(start, stop)] block ranges of the stages given by `bounds`."""
-  edges = [0, *bounds, num_blocks]
-  return list(zip(edges[:-1], edges[1:]))
-
-
-def check_boundaries(bounds, num_stages: int, num_blocks: int) -> list[int]:
-  """Validates explicit boundaries; returns them as a list of ints.
-
-  Raises:
-    ValueError: wrong count, not integers, out of (0, num_blocks) or not strictly increasing.
-  """
-  _check_num_stages(num_stages, num_blocks)
-  try:
-    out = [int(b) for b in bounds]
-  except (TypeError, ValueError):
-    raise ValueError(f"boundaries must be a list of block indices, got {bounds!r}") from None
-  if any(o != b for o, b in zip(out, bounds)):
-    raise ValueError(f"boundaries must be integers, got {list(bounds)}")
-  if len(out) != num_stages - 1:
-    raise ValueError(f"{num_stages} stages need {num_stages - 1} boundaries, got {len(out)}: "
-                     f"{out}")
-  if any(not 0 < b < num_blocks for b in out):
-    raise ValueError(f"boundaries {out} out of range: each must be in 1..{num_blocks - 1} "
-                     f"(the model has {num_blocks} blocks)")
-  if any(a >= b for a, b in zip(out, out[1:])):
-    raise ValueError(f"boundaries {out} must be strictly increasing")
-  return out
-
-
-def _check_num_stages(num_stages, num_blocks):
-  if not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
-    raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
-  if num_stages > num_blocks:
-    raise ValueError(f"cannot split {num_blocks} blocks into {num_stages} stages: at most "
-                     f"{num_blocks} stages (one block each)")
-
-
-def uniform_boundaries(num_blocks: int, num_stages: int) -> list[int]:
-  """Equal numbers of blocks per stage, sizes differing by at most one.
-
-  Rounding down puts the extra blocks in the later stages: under FDG the early stages keep the
-  longest stashes, so they are the ones to keep small.
-  """
-  _check_num_stages(num_stages, num_blocks)
-  return [num_blocks * k // num_stages for k in range(1, num_stages)]
-
-
 def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] | None = None,
             memory_weight: float = 0.0) -> list[int]:
   """Boundaries minimising the most expensive stage over all contiguous partitions (exact DP).
@@ -144,7 +100,7 @@ def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] 
   """
   c = np.asarray(costs, dtype=np.float64)
   n, K = len(c), num_stages
-  _check_num_stages(K, n)
+  check_num_stages(K, n)
   if not 0.0 <= memory_weight <= 1.0:
     raise ValueError(f"memory_weight must be in [0, 1], got {memory_weight}")
   if memory_weight > 0 and memory is None:
@@ -196,7 +152,7 @@ def boundaries(model: Model, num_stages: int, how="uniform", *, example_input=No
   n = model.num_blocks
   if not isinstance(how, str):
     return check_boundaries(how, num_stages, n)
-  _check_num_stages(num_stages, n)
+  check_num_stages(num_stages, n)
   if how == "uniform":
     return uniform_boundaries(n, num_stages)
   if how == "paper":

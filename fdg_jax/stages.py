@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fdg_jax.boundaries import check_boundaries, stage_ranges, uniform_boundaries
+
 PyTree = Any
 
 
@@ -192,19 +194,18 @@ def nnx_stages(blocks: Sequence[Any], boundaries, *, name: str = "nnx") -> list[
   """Splits a list of NNX blocks (applied in order) into K stages of contiguous blocks.
 
   `boundaries` is either K-1 strictly increasing block indices (stage k runs blocks
-  [b_k, b_{k+1}), as in `fdg_jax.partition`) or an int K (`partition.uniform_boundaries`).
+  [b_k, b_{k+1}), as in `fdg_jax.partition`) or an int K
+  (`fdg_jax.boundaries.uniform_boundaries`).
   Stage k is `Stage.from_nnx(blocks[a:b], first_block=a)`, named "<name>[a:b]": its params
   are `{"block_i": ...}` with global block indices, and block i's dropout key is
   `fold_in(stage_rng, i)` (see `Stage.from_nnx`).
   """
-  from fdg_jax import partition  # partition imports this module
-
   blocks = list(blocks)
   if isinstance(boundaries, numbers.Integral):
-    boundaries = partition.uniform_boundaries(len(blocks), boundaries)
-  bounds = partition.check_boundaries(boundaries, len(boundaries) + 1, len(blocks))
+    boundaries = uniform_boundaries(len(blocks), boundaries)
+  bounds = check_boundaries(boundaries, len(boundaries) + 1, len(blocks))
   return [Stage.from_nnx(blocks[a:b], name=f"{name}[{a}:{b}]", first_block=a)
-          for a, b in partition.stage_ranges(bounds, len(blocks))]
+          for a, b in stage_ranges(bounds, len(blocks))]
 
 
 def training_vjp(stage: Stage, params, model_state, x, rng):

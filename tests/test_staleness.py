@@ -16,7 +16,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from fdg_jax import staleness as st
-from fdg_jax.optim import make_optimizer
+from fdg_jax.optim import make_optimizer, methods
 
 LR, MOM = 0.05, 0.9
 SHAPES = {"b": (2, 3), "w": (5,)}
@@ -513,13 +513,81 @@ def test_stage_optimizer_errors(method, kwargs, hparams, match):
 # ---------------------------------------------------------------------- combinations
 
 
+def _default_config():
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
+  spec = importlib.util.spec_from_file_location("cfg_default_registry", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_every_registry_field_is_a_valid_field_of_the_default_config():
+  c = _default_config()
+  fields = [h.field for m in methods.REGISTRY.values() for h in m.hparams if h.field]
+  assert len(fields) == len(set(fields)) == 10
+  assert all(f in c for f in fields), [f for f in fields if f not in c]
+  assert methods.config_problem(c) is None
+
+
+def test_the_trainer_reads_each_methods_settings_from_its_config_fields():
+  c = _default_config()
+  c.staleness = ("lr_by_delay+weight_prediction+dc+nesterov_delay+error_feedback+"
+                 "discrepancy_correction")  # read, not built: clashing parts are fine here
+  c.staleness_ramp_epochs, c.staleness_horizon, c.dc_lambda = 1.5, 3.0, 0.5
+  assert methods.config_hparams(c, 44) == {
+      "ramp_steps": 66, "power": c.staleness_lr_power, "horizon": 3.0, "lam": 0.5,
+      "adaptive": c.dc_adaptive, "decay": c.dc_decay, "lam0": c.dc_lambda0,
+      "gamma": c.nesterov_gamma, "strength": c.staleness_strength,
+      "discrepancy_decay": c.discrepancy_decay}
+  c.staleness_ramp_epochs, c.staleness_horizon = -1.0, -1.0  # no ramp; the delay itself
+  assert methods.config_hparams(c, 44)["ramp_steps"] is None
+  assert methods.config_hparams(c, 44)["horizon"] is None
+  c.staleness = "spike_compensation"
+  assert methods.config_hparams(c, 44) == {}
+  c.staleness = "none"
+  assert methods.config_hparams(c, 44) == {}
+
+
+def test_a_method_declared_once_reaches_validation_the_trainer_and_the_builder(monkeypatch):
+  """A new method is one REGISTRY entry: its name, its hparam's config field with the
+  field's range, and its builder; config validation, the trainer's settings and
+  stage_optimizer all read it."""
+  def build(inner, delay, settings, base):
+    del base
+    return st.chain(inner, optax.scale(settings["shrink"] ** delay))
+  toy = methods.Method("toy", build, layer=2, hparams=(
+      methods.Hparam("shrink", 0.5, field="toy_shrink", valid=lambda v: 0 < v <= 1,
+                     expect="must lie in (0, 1]"),))
+  monkeypatch.setitem(methods.REGISTRY, "toy", toy)
+  c = _default_config()
+  c.staleness, c.toy_shrink = "toy", 0.25
+  assert methods.config_problem(c) is None
+  assert methods.config_hparams(c, 44) == {"shrink": 0.25}
+  c.toy_shrink = 2.0
+  assert methods.config_problem(c) == "toy_shrink=2.0 must lie in (0, 1]"
+  c.staleness = "toy+dc"
+  assert methods.config_problem(c) == "toy_shrink=2.0 must lie in (0, 1]"
+  base = optax.sgd(LR)
+  kw = dict(learning_rate=LR, momentum=0.0, weight_decay=0.0)
+  tx = st.stage_optimizer("toy", base, delay=2, hparams={"shrink": 0.5}, **kw)
+  g = {"w": jnp.ones((3,), jnp.float32)}
+  u, _ = tx.update(g, tx.init(g), g)
+  np.testing.assert_array_equal(u["w"], np.full(3, -LR * 0.25, np.float32))
+  plain = st.stage_optimizer("toy", base, delay=0, **kw)  # delay 0: the base itself
+  assert plain.init is base.init and plain.update is base.update
+  with pytest.raises(ValueError, match="unknown"):
+    st.stage_optimizer("toy", base, delay=2, hparams={"strength": 1.0}, **kw)
+
+
 @pytest.mark.parametrize("method", ["spike_compensation+weight_prediction",
                                     "lr_by_delay+spike_compensation", "dc+lr_by_delay"])
 def test_combination_zero_delay_is_plain_bitwise(method):
   base = make_optimizer("sgd", LR, momentum=MOM, weight_decay=5e-4)
   hparams = {"ramp_steps": 5, "lam": 0.5}
   hparams = {k: v for k, v in hparams.items()
-             if any(k in st._HPARAMS[m] for m in method.split("+"))}
+             if any(k in methods.REGISTRY[m].hparam_names for m in method.split("+"))}
   tx = st.stage_optimizer(method, base, delay=0, learning_rate=LR, momentum=MOM,
                           weight_decay=5e-4, hparams=hparams)
   _assert_same_runs(_drive(tx), _drive(base))

@@ -158,11 +158,12 @@ CHILD = textwrap.dedent("""
       def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    real = trainer._data
+    from fdg_jax.trainer import prepare  # where setup reads the data from
+    real = prepare._data
     def blocking_data(config, feeding):
       train_iter, *rest = real(config, feeding)
       return (Blocking(train_iter, int(sys.argv[3])), *rest)
-    trainer._data = blocking_data
+    prepare._data = blocking_data
     c = tiny_config(**json.loads(sys.argv[4]))
     trainer.train_and_evaluate(c, sys.argv[2])
     print("finished without stalling")

@@ -14,7 +14,8 @@ missing from ``data_dir`` raises ``DatasetNotFoundError``. Constants live in
 ``fdg_jax.data.registry``. ``python -m fdg_jax.data --dataset NAME`` prints dataset info.
 """
 
-from fdg_jax.data.iterator import BatchIterator, epoch_permutation
+from fdg_jax.data.batches import epoch_permutation
+from fdg_jax.data.iterator import BatchIterator
 from fdg_jax.data.registry import REGISTRY, DatasetSpec, get_spec, list_datasets
 from fdg_jax.data.sources import (ArrayDataset, Dataset, DatasetFileError, DatasetNotFoundError,
                                   TfdsDataset, from_arrays, load, load_idx, open_tfds_source,

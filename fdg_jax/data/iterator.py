@@ -7,8 +7,9 @@ global batch, row ``r`` getting the r-th draw). The iterator's state is therefor
 the position ``(epoch, step)``; restoring it reproduces the exact batches, augmentation
 included, and it may even be restored under a different ``process_count``.
 
-The same pure function runs in worker processes with ``workers=N`` (``workers.py``): the
-batches, their order and the state are exactly those of ``workers=0``.
+The pure function is `fdg_jax.data.batches.BatchMaker`; it runs in worker processes with
+``workers=N`` (``workers.py``): the batches, their order and the state are exactly those
+of ``workers=0``.
 """
 
 from __future__ import annotations
@@ -19,26 +20,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fdg_jax.data import augment as aug
 from fdg_jax.data import workers as workers_lib
+from fdg_jax.data.batches import BatchMaker, epoch_order
 from fdg_jax.data.sources import ArrayDataset, Dataset
 
 _STATE_VERSION = 1
-# Domain tags keep the shuffle and augmentation streams independent.
-_SHUFFLE_TAG = 0x5348
-_AUGMENT_TAG = 0x4155
-
-
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-  """The example order of ``epoch``: int64 permutation of ``[0, n)`` that depends only on
-  ``(seed, epoch, n)``."""
-  rng = np.random.default_rng([int(seed) % 2**63, _SHUFFLE_TAG, int(epoch)])
-  return rng.permutation(n)
-
-
-def augment_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
-  """The generator of the augmentation parameters of global batch ``(epoch, step)``."""
-  return np.random.default_rng([int(seed) % 2**63, _AUGMENT_TAG, int(epoch), int(step)])
 
 
 class PositionedIterator(Iterator[dict[str, np.ndarray]]):
@@ -99,7 +85,7 @@ class PositionedIterator(Iterator[dict[str, np.ndarray]]):
     order = self._orders.get(epoch)
     if order is None:
       n = self._num_items
-      order = epoch_permutation(self.seed, epoch, n) if self.shuffle else np.arange(n)
+      order = epoch_order(self.seed, epoch, n, self.shuffle)
       if len(self._orders) >= 2:  # keep the current and the next epoch
         self._orders.pop(min(self._orders))
       self._orders[epoch] = order
@@ -242,41 +228,15 @@ class BatchIterator(PositionedIterator):
     """This process's batch at position ``(epoch, step)``; a pure function of it."""
     return self._make_batch(epoch, step, self.order(epoch))
 
-  def _make_batch(self, epoch: int, step: int, order: np.ndarray,
-                  out: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The batch at ``(epoch, step)``; ``out``: float32 [b, H, W, C] to write the images
-    into (a worker's shared memory), else a new array."""
-    gb, lb = self.batch_size, self.local_batch_size
-    global_idx = order[step * gb:(step + 1) * gb]
-    lo = self.process_index * lb
-    local_idx = global_idx[lo:lo + lb]
-    n_real = local_idx.shape[0]
-    images, labels = self.dataset.read(local_idx)
-    kind = self.spec.augmentation
-    rng = augment_rng(self.seed, epoch, step) if self.augment and kind != "none" else None
-    if kind == "imagenet":
-      uniforms = None
-      if rng is not None:
-        uniforms = aug.sample_rrc_uniforms(rng, gb)[lo:lo + n_real]
-      images = aug.imagenet_batch(images, uniforms, self.spec.image_shape[0])
-    elif rng is not None:
-      dy, dx, flip = aug.sample_crop_flip(rng, gb, self.spec.pad, kind == "crop_flip")
-      sl = slice(lo, lo + n_real)
-      images = aug.crop_flip(images, dy[sl], dx[sl], flip[sl], self.spec.pad)
-    image = np.empty((lb,) + tuple(self.spec.image_shape), np.float32) if out is None else out
-    aug.normalize(images, self.spec, out=image[:n_real])
-    label = np.asarray(labels, np.int32)
-    if n_real < lb:
-      image[n_real:] = 0.0
-      pad_label = np.zeros((lb,), np.int32)
-      pad_label[:n_real] = label
-      label = pad_label
-    batch = {"image": image, "label": label}
-    if not self.drop_remainder:
-      mask = np.zeros((lb,), np.float32)
-      mask[:n_real] = 1.0
-      batch["mask"] = mask
-    return batch
+  def batch_maker(self) -> BatchMaker:
+    """What builds this iterator's batches (its worker processes hold a copy)."""
+    return BatchMaker(self.dataset, self.batch_size, self.local_batch_size,
+                      self.process_index, self.seed, self.augment, self.drop_remainder,
+                      self.shuffle)
+
+  def _make_batch(self, epoch: int, step: int, order: np.ndarray) -> dict[str, np.ndarray]:
+    """The batch at ``(epoch, step)`` of the epoch's ``order``, in a new array."""
+    return self.batch_maker().make(epoch, step, order)
 
   # ---- iteration ----------------------------------------------------------------------
 
@@ -304,7 +264,8 @@ class BatchIterator(PositionedIterator):
   def _start(self) -> None:
     if self._workers:
       if self._procs is None:
-        self._procs = workers_lib.ProcessBatchPool(self, self._workers, self._prefetch)
+        self._procs = workers_lib.ProcessBatchPool(self.batch_maker(), self._workers,
+                                                   self._prefetch)
     elif self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(
           max_workers=min(self._prefetch, 4), thread_name_prefix="fdg_data")

@@ -6,8 +6,8 @@ under the GIL; this module builds upcoming batches in ``N`` worker processes ins
 Design (and why):
 
 * **One task = one whole batch position** ``(epoch, step)``. Every worker unpickles the
-  dataset once (pool initializer) and holds a ``BatchIterator`` with the same settings, and
-  runs the same pure function as ``workers=0`` (``_make_batch``); it recomputes the epoch
+  iterator's ``BatchMaker`` (``batches.py``: the dataset and the settings) once (pool
+  initializer) and runs the same pure function as ``workers=0``; it recomputes the epoch
   order from ``(seed, epoch)`` itself, so a task is two integers. Batches are therefore
   bitwise those of ``workers=0``, yielded in the same order, and the iterator state is
   still just the position. Splitting one batch's images across the workers was the other
@@ -92,11 +92,12 @@ def _context() -> multiprocessing.context.BaseContext:
   return ctx
 
 
-def pickle_dataset(dataset) -> bytes:
-  """The dataset as sent to every worker; ValueError (use workers=0) if it cannot be
-  pickled."""
+def pickle_dataset(dataset, holder=None) -> bytes:
+  """``holder`` (default: the dataset itself), holding ``dataset``, as sent to every
+  worker; ValueError (use workers=0) if it cannot be pickled."""
   try:
-    return pickle.dumps(dataset, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(dataset if holder is None else holder,
+                        protocol=pickle.HIGHEST_PROTOCOL)
   except Exception as err:  # pylint: disable=broad-except
     raise ValueError(
         f"BatchIterator(workers>0) sends the dataset to worker processes, but this "
@@ -171,27 +172,22 @@ def _discard(future: concurrent.futures.Future) -> None:
 
 
 class ProcessBatchPool:
-  """``workers`` processes building batches of ``iterator`` (a ``BatchIterator``).
+  """``workers`` processes building the batches of ``maker`` (a ``BatchMaker``).
 
   ``submit(epoch, step)`` returns a future; ``result(future)`` turns it into the batch
   dict; ``discard(future)`` drops one that will not be consumed; ``close()`` shuts down.
   """
 
-  def __init__(self, iterator, workers: int, depth: int):
-    self.shape = (iterator.local_batch_size,) + tuple(iterator.image_shape)
+  def __init__(self, maker, workers: int, depth: int):
+    self.shape = (maker.local_batch_size,) + tuple(maker.dataset.image_shape)
     self.nbytes = int(np.prod(self.shape)) * np.dtype(np.float32).itemsize
     # Room for the queued batches plus as many held by the consumer.
     self.directory, self._lock_fd = _batch_dir(2 * (depth + workers + 1) * self.nbytes)
-    settings = dict(batch_size=iterator.batch_size, train=iterator.train,
-                    seed=iterator.seed, drop_remainder=iterator.drop_remainder,
-                    process_index=iterator.process_index,
-                    process_count=iterator.process_count, augment=iterator.augment,
-                    shuffle=iterator.shuffle)
     try:
       self._executor = concurrent.futures.ProcessPoolExecutor(
           max_workers=workers, mp_context=_context(),
           initializer=_init_worker,
-          initargs=(pickle_dataset(iterator.dataset), settings, self.directory, self.shape))
+          initargs=(pickle_dataset(maker.dataset, maker), self.directory, self.shape))
     except BaseException:
       shutil.rmtree(self.directory, ignore_errors=True)
       if self._lock_fd is not None:
@@ -253,7 +249,7 @@ class ProcessBatchPool:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(payload: bytes, settings: dict, directory: str, shape: tuple) -> None:
+def _init_worker(payload: bytes, directory: str, shape: tuple) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent shuts us down
   _WORKER.update(directory=directory, shape=shape, names=itertools.count())
   # Leftover batch files are garbage once the workers stop (the parent consumes none
@@ -263,9 +259,7 @@ def _init_worker(payload: bytes, settings: dict, directory: str, shape: tuple) -
   threading.Thread(target=_watch_parent, args=(directory,), daemon=True,
                    name="fdg_data_watch").start()
   try:
-    from fdg_jax.data.iterator import BatchIterator  # pylint: disable=g-import-not-at-top
-    _WORKER["iterator"] = BatchIterator(pickle.loads(payload), workers=0, prefetch=0,
-                                        **settings)
+    _WORKER["maker"] = pickle.loads(payload)
   except BaseException as err:  # pylint: disable=broad-except
     _WORKER["error"] = err  # reported by every task (an initializer error would only
     # print in the worker and leave a "broken pool" in the parent)
@@ -329,7 +323,7 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
 
 
 def _fill(buf: mmap.mmap, shape: tuple, epoch: int, step: int) -> dict[str, np.ndarray]:
-  it = _WORKER["iterator"]
+  maker = _WORKER["maker"]
   out = np.frombuffer(buf, np.float32).reshape(shape)
-  batch = it._make_batch(epoch, step, it.order(epoch), out=out)  # pylint: disable=protected-access
+  batch = maker.make(epoch, step, maker.order(epoch), out=out)
   return {k: v for k, v in batch.items() if k != "image"}

@@ -1,4 +1,9 @@
-"""Optimisers and learning-rate schedules of the papers, as optax transforms.
+"""The base optimiser by name, and the learning-rate schedules of the papers (optax).
+
+`make_optimizer` builds a stage's plain optimiser from the config's name and parameters:
+SGD as the papers' PyTorch code runs it, Adam(W), the library's own (`fdg_jax.optim.adaptive`)
+and any optax or optax.contrib optimiser; a staleness remedy is wrapped around it afterwards
+(`fdg_jax.optim.methods.stage_optimizer`).
 
 The schedules count optimizer updates. Under DDG/FDG a stage skips its warm-up ticks, so
 stage k's schedule runs d_k updates behind the tick counter: a negligible lag (at most
@@ -13,7 +18,7 @@ from typing import Callable, Sequence
 
 import optax
 
-from fdg_jax import optimizers
+from fdg_jax.optim import adaptive
 
 
 def learning_rate_schedule(name: str, base_lr: float, *, steps_per_epoch: int, num_epochs: int,
@@ -47,7 +52,7 @@ def learning_rate_schedule(name: str, base_lr: float, *, steps_per_epoch: int, n
 
 # The library's own optimisers, by name (everything else is looked up in optax and
 # optax.contrib).
-OWN = {"basis_rotation": optimizers.basis_rotation, "nadam_warmup": optimizers.nadam_warmup}
+OWN = {"basis_rotation": adaptive.basis_rotation, "nadam_warmup": adaptive.nadam_warmup}
 
 
 def find_optimizer(name: str) -> Callable:
@@ -94,8 +99,9 @@ def make_optimizer(name: str, learning_rate, *, momentum: float | None = 0.9,
   - the library's own (`OWN`: basis_rotation, nadam_warmup) and any optax or optax.contrib
     optimiser (adamw, nadam, nadamw, lion, muon, ...). momentum, nesterov and weight_decay
     are passed where the optimiser has a parameter of that name (weight_decay must be 0 for
-    one that has none; momentum 0 and nesterov False leave the optimiser's own defaults); `hparams` (b1, b2, eps, beta, ...) must each be one of its
-    parameters. ValueError (one line) for an unknown name or parameter.
+    one that has none; momentum 0 and nesterov False leave the optimiser's own defaults);
+    `hparams` (b1, b2, eps, beta, ...) must each be one of its parameters. ValueError (one
+    line) for an unknown name or parameter.
 
   A second rate among `hparams` (a float parameter named `*_learning_rate`, e.g. muon's
   `adam_learning_rate` for its non-matrix leaves) follows `learning_rate`'s schedule when
