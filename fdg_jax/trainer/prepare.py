@@ -24,7 +24,7 @@ import optax
 
 import fdg_jax
 from fdg_jax import data as data_lib
-from fdg_jax import partition, plans, precision, runtime
+from fdg_jax import engines, partition, plans, precision, runtime
 from fdg_jax.config_check import (TEXT_DATASET, ConfigError, create_model, optimizer_hparams,
                                   validate_fields, validate_model)
 from fdg_jax.optim import auto, methods
@@ -61,9 +61,8 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
   every stage in one program on one device; "per_stage" puts stage k on device k (when
   there are K devices, else all on the first); "spmd" (FDG) runs the ticks as one program
   over K devices, one stage each (with replicas or processes, over the R x K mesh);
-  "auto" is fused on CPU, where forced devices share the host's cores (so stages apart gain
-  nothing) and one program per call costs far less host time, and per_stage on K
-  accelerators (per_stage with replicas or processes).
+  "auto" is `fdg_jax.engines.preferred`'s choice (fused on CPU, per_stage on K
+  accelerators; per_stage with replicas or processes).
   """
   devices = jax.devices()
   need = num_stages * num_replicas
@@ -82,8 +81,7 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
           "processes (or give each fewer devices)")
     return {"mesh": mesh, "engine": "spmd" if engine == "spmd" else "per_stage"}
   if engine == "auto":
-    apart = devices[0].platform != "cpu" and len(devices) >= num_stages > 1
-    engine = "per_stage" if apart else "fused"
+    engine = engines.preferred(devices[0].platform, len(devices), num_stages)
   if engine == "spmd":
     if len(devices) < num_stages:
       raise ConfigError(f"engine=spmd puts each of the {num_stages} stages on its own device, "
