@@ -615,6 +615,36 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
   return "\n".join(lines)
 
 
+def auto_markdown(study: Study, summary: dict) -> str:
+  """What `staleness=auto` gave in the part, for the README: for each schedule where the
+  protocol tried it, its held-out score against no remedy (at the schedule's chosen rate)
+  and the test runs that the choice led to, with or without it."""
+  rows, unit = summary["rows"], ("loss" if study.by_loss else "accuracy %")
+  show = (lambda v: f"{-v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
+  lines = [f"<!-- time_to_quality {study.part} auto: written by `python "
+           f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->",
+           f"| schedule | held-out {unit}: `auto` vs no remedy (seed "
+           f"{study.spec['selection_seed']}) | chosen | test {unit} (mean ± std) | vs BP |",
+           "|---|---|---|---|---|"]
+  for schedule, candidates in study.spec["remedies"].items():
+    autos = [n for n, r in candidates.items() if r == {"staleness": "auto"}]
+    if not autos or schedule not in rows:
+      continue
+    lr = study.chosen[schedule]["lr_mult"]
+    plain = study.record(study.held_out(schedule, lr))
+    auto = study.record(study.held_out(schedule, lr, autos[0]))
+    margin, se = study.score(auto) - study.score(plain), study.standard_error(plain)
+    diff = (lambda v: f"{v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
+    verdict = (f"{'better' if margin > 0 else 'worse'} by {diff(abs(margin))}, "
+               f"{'more' if margin > se else 'not more'} than the standard error {diff(se)}")
+    r = rows[schedule]
+    chosen = f"lr ×{r['lr_mult']:g}" + (f", `{r['remedy']}`" if r["remedy"] else ", no remedy")
+    lines.append(f"| {schedule} | {show(study.score(auto))} vs {show(study.score(plain))}: "
+                 f"{verdict} | {chosen} | {r['mean']:.2f} ± {r['std']:.2f} | "
+                 f"{r['gap']:+.2f} |")
+  return "\n".join(lines)
+
+
 def plot(summary: dict, tests: dict, path: str, title: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -645,6 +675,8 @@ def main(argv=None) -> int:
   parser.add_argument("--protocol", default=str(PROTOCOL))
   parser.add_argument("--report", action="store_true", help="from the part's records only")
   parser.add_argument("--markdown", action="store_true", help="print the docs' table only")
+  parser.add_argument("--auto_markdown", action="store_true",
+                      help="print the README's table of what staleness=auto gave only")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
@@ -673,6 +705,9 @@ def main(argv=None) -> int:
   horizons = "horizons" in study.spec
   summary = (summarise_horizons if horizons else summarise)(study, tests)
   text = (markdown_horizons if horizons else markdown)(args.part, summary, study.log)
+  if args.auto_markdown and not horizons:
+    print(auto_markdown(study, summary))
+    return 0
   print(text)
   if args.plot and horizons:
     plot_horizons(summary, tests, args.plot, f"{args.part}: test perplexity against steps "

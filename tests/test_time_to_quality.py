@@ -340,3 +340,19 @@ def test_steps_to_fall_to_a_loss():
   curve = [(100, 3.0), (200, 2.0), (300, 1.0)]
   assert ttq.steps_to_fall_to(curve, 1.5) == pytest.approx(250)
   assert ttq.steps_to_fall_to(curve, 0.5) is None
+
+
+README = ROOT / "README.md"
+
+
+@pytest.mark.skipif(not RESULT.exists(), reason="the part has not been run")
+def test_the_readme_auto_table_is_what_the_report_prints_from_the_committed_json():
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
+                        "--part", "fashion_mlp", "--report", "--auto_markdown"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  table = out.stdout.strip()
+  assert table.startswith("<!-- time_to_quality fashion_mlp auto")
+  # Both schedules that tried auto, one kept (K=8) and one not (K=4).
+  assert "| FDG K=8 |" in table and "`auto` |" in table and "no remedy |" in table
+  assert table in README.read_text(), "README's auto table differs from the report"
