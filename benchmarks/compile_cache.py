@@ -34,7 +34,7 @@ def child(args) -> None:
   import numpy as np
   import optax
   import fdg_jax
-  from fdg_jax.bench import schedules as B
+  from fdg_jax.bench import common as B
   model = B.build_model(args.model, {}, None)
   _, stages, params, states = B.build_stages(model, args.stages, "balanced", args.batch_size)
   loss = lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()

@@ -46,7 +46,7 @@ def build(width, batch):
   import jax.numpy as jnp
   import fdg_jax
   from fdg_jax import models, partition
-  from fdg_jax.bench import schedules as B
+  from fdg_jax.bench import common as B
   if width == "gpt":
     from fdg_jax.models.transformer import lm_loss
     m = models.create("gpt", num_classes=256, seq_len=128, dim=128, depth=6, num_heads=4)
@@ -64,25 +64,25 @@ def main(argv=None) -> dict:
   compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
   args = parse_args(argv)
   import fdg_jax
-  from fdg_jax.bench import schedules as B
+  from fdg_jax.bench import common, timing
   rows = []
   chosen = [CONFIGS[i] for i in args.only] if args.only else CONFIGS
   for label, width, batch in chosen:
     stages, params, states, data, loss = build(width, batch)
     entries = []
     for gate in (None, "mask", "cond"):
-      schedule = fdg_jax.fdg(stages, loss, B.optimizer(), gate=gate,
+      schedule = fdg_jax.fdg(stages, loss, common.optimizer(), gate=gate,
                              metrics_fn=lambda out, y: {})
       if gate is None:  # the default's choice, from the prepared shapes
         schedule.init(params, states, example_batch=data)
         default, flops = schedule.gate, max(schedule.forward_flops())
         continue
-      entries.append(B.prepare(schedule, params, states, data, run_ticks=args.run_ticks))
-    probe = B.time_interleaved(entries, ticks=args.run_ticks, repeats=1)
+      entries.append(timing.prepare(schedule, params, states, data, run_ticks=args.run_ticks))
+    probe = timing.time_interleaved(entries, ticks=args.run_ticks, repeats=1)
     per_tick = float(np.median(probe[0]["step"]))
     ticks = max(args.run_ticks, int(args.budget_s / per_tick) // args.run_ticks
                 * args.run_ticks)
-    times = B.time_interleaved(entries, ticks=ticks, repeats=args.repeats)
+    times = timing.time_interleaved(entries, ticks=ticks, repeats=args.repeats)
     mask, cond = (np.asarray(t["step"]) for t in times)
     ratio = cond / mask
     rows.append({"model": label, "forward_flops_max_stage": flops,
@@ -101,8 +101,8 @@ def main(argv=None) -> dict:
     print(f"| {r['model']} | {r['forward_flops_max_stage'] / 1e6:.2f} | "
           f"{1e3 * r['mask_tick_s']:.3f} | {q[0]:.3f} [{q[1]:.3f}, {q[2]:.3f}] | "
           f"{r['default_gate']} |")
-  return B.write_figures({"args": vars(args), "device": B.device_info(), "rows": rows},
-                         args.out)
+  return common.write_figures({"args": vars(args), "device": common.device_info(),
+                               "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/ring_cost.py [--repeats 9] [--ticks 64] [--batch_size 32]
 
-Times, side by side and interleaved (`fdg_jax.bench.schedules.time_interleaved`), the
+Times, side by side and interleaved (`fdg_jax.bench.timing.time_interleaved`), the
 quick-start MLP (4x128, digits' shapes) as BP K=1, BP K=4 and FDG K=4 (`stash`, T = 32 ticks
 per call, the platform's default gate: on CPU chained conditionals), FDG K=4 gated by masks
 and by conditionals left unchained (`Schedule.gate`, `engines.fused_ops.GatedOps`), and FDG K=4
@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
   from fdg_jax.runtime import compile_cache
   compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
   args = parse_args(argv)
-  from fdg_jax.bench import schedules as B
+  from fdg_jax.bench import common as B, timing
   model = B.build_model("mlp", {"widths": [128] * 4}, (8, 8, 1))
   one, four = (B.build_stages(model, K, "uniform", args.batch_size)[1:] for K in (1, 4))
   batch = B.random_batch(model, args.batch_size)
@@ -188,10 +188,10 @@ def main(argv=None) -> dict:
   entries, kernels = [], []
   for _, algorithm, (stages, params, states), methods, kwargs in configs:
     with patched(methods):  # compiled here, so the program keeps the variant
-      entries.append(B.prepare(B.make_schedule(algorithm, stages, **kwargs), params, states,
-                               batch, run_ticks=args.run_ticks))
+      entries.append(timing.prepare(B.make_schedule(algorithm, stages, **kwargs), params,
+                                    states, batch, run_ticks=args.run_ticks))
       kernels.append(loop_kernels(entries[-1]))
-  times = B.time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
+  times = timing.time_interleaved(entries, ticks=args.ticks, repeats=args.repeats)
   base = np.asarray(times[0]["step"])
   rows = []
   print(f"quick-start MLP, batch {args.batch_size}, run T={args.run_ticks}, "

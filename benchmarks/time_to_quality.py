@@ -386,7 +386,7 @@ def predicted_speedup(spec: dict, schedule: str) -> float | None:
   sched = spec["schedules"][schedule]
   if sched["algorithm"] == "bp":
     return 1.0
-  from fdg_jax.bench.schedules import predict
+  from fdg_jax.bench.speedup import predict
   params = stage_parameters(spec, sched["num_stages"])
   times = [{"forward_s": p, "backward_s": 2 * p, "tick_s": 3 * p} for p in params]
   return predict(times, [0.0] * (len(params) - 1), microbatches=())[sched["algorithm"]][
@@ -453,7 +453,7 @@ def predicted_speedup_flops(spec: dict, schedule: str) -> float:
   sched = spec["schedules"][schedule]
   if sched["algorithm"] == "bp":
     return 1.0
-  from fdg_jax.bench.schedules import predict
+  from fdg_jax.bench.speedup import predict
   flops = stage_flops(spec, sched["num_stages"])
   times = [{"forward_s": c, "backward_s": 2 * c, "tick_s": 3 * c} for c in flops]
   return predict(times, [0.0] * (len(flops) - 1), microbatches=())[sched["algorithm"]][

@@ -382,7 +382,7 @@ def resnet20_schedule(algorithm: str, k: int, batch_size: int, ticks: int):
   decay 5e-4): (schedule, its initial state, `ticks` batches of random images and labels)."""
   import numpy as np
   import fdg_jax
-  from fdg_jax.bench import schedules as B
+  from fdg_jax.bench import common as B
   from fdg_jax.optim import make_optimizer
   model = B.build_model("resnet20", {}, None)
   _, stages, params, states = B.build_stages(model, k, "balanced", batch_size)
@@ -421,7 +421,7 @@ def gpt_schedule(name: str, algorithm: str, bounds, batch_size: int, ticks: int,
   `batches` (xs, ys) [ticks, B, T])."""
   import numpy as np
   import fdg_jax
-  from fdg_jax.bench import schedules as B
+  from fdg_jax.bench import common as B
   from fdg_jax.optim import make_optimizer
   stages, params, states = gpt_params(name, bounds)
   sched = fdg_jax.create(algorithm, stages, B.loss_fn, make_optimizer("adam", 1e-3))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fdg_jax import bench, delays, partition, plans
+from fdg_jax.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -172,6 +173,31 @@ def test_a_registered_plan_gets_a_prediction():
   assert "delayed_backprop_bench_async" in p
 
 
+def test_the_speedup_table_has_columns_for_the_schedules_asked_for():
+  from fdg_jax.bench import speedup
+  times = [{"forward_s": f, "backward_s": b, "tick_s": f + b, "out_bytes": 4}
+           for f, b in [(1.0, 2.0), (2.0, 3.0)]]
+  row = {"num_stages": 2, "stage_times": times, "transfer_s": [0.5],
+         "predicted": bench.predict(times, [0.5], microbatches=[4], allreduce_s=1.0),
+         "measured_speedup": {"bp": 0.5, "pipedream": 1.5}, "measured_meaningful": False}
+  result = {"rows": [row], "microbatches": [4]}
+  table = speedup.speedup_table(result, ["bp", "ddg", "pipedream", "gpipe"]).splitlines()
+  head = [c.strip() for c in table[0].strip("|").split("|")]
+  # BP is the reference: no column of its own
+  assert head == ["K", "stage tick ms (f+b)", "transfer µs", "DDG pred. sync",
+                  "PIPEDREAM pred. sync", "DDG pred. async", "PIPEDREAM pred. async",
+                  "GPIPE M=4 pred. (bubble)", "DP pred.", "DDG meas.", "PIPEDREAM meas.",
+                  "GPIPE meas.", "meaningful"]
+  cells = [c.strip() for c in table[2].strip("|").split("|")]
+  assert table[1].count("---") == len(head) == len(cells)
+  assert cells[4] == f"{row['predicted']['pipedream']['speedup']:.2f}"
+  assert cells[-4:] == ["–", "1.50", "–", "no"]  # measured: PipeDream only
+  # No micro-batched pipeline asked for: every registered one is predicted (not measured).
+  head = speedup.speedup_table(result, ["bp", "fdg"]).splitlines()[0]
+  assert all(f"{n.upper()} M=4 pred." in head for n in plans.names(microbatched=True))
+  assert "FDG meas." in head and "GPIPE meas." not in head
+
+
 def _simulate(algorithm, f, b, c, ticks=3000):
   """Steady-state tick of the schedule's calls with asynchronous dispatch: each call starts
   when its device has finished its previous call and its inputs have arrived (+ c)."""
@@ -310,8 +336,13 @@ def test_overhead_times_compiler_option_and_gate_variants_side_by_side(tmp_path,
 def test_memory_matches_residual_sizes(bench_result):
   """stash_bytes = (ring [+ head]) x slot + ring int32 batch indices, slot from `partition`."""
   rows = bench_result["memory"]
+  # Every registered delayed tick plan with a backward policy: the built-ins, and any plan
+  # registered before the run (test_a_registered_plan_gets_a_prediction registers one).
+  delayed = [a for a in plans.names(microbatched=False, delayed=True)
+             if "backward" in plans.spec(a).options]
+  assert {"ddg", "fdg", "pipedream"} <= set(delayed)
   assert {(m["algorithm"], m["backward"]) for m in rows} == {
-      (a, p) for a in ("ddg", "fdg", "pipedream") for p in ("stash", "recompute")}
+      (a, p) for a in delayed for p in ("stash", "recompute")}
   name, kwargs, shape, batch_size = bench.PRESETS["mlp_digits"]
   model = bench.build_model(name, kwargs, shape)
   x = model.example_input(batch_size)
@@ -319,8 +350,12 @@ def test_memory_matches_residual_sizes(bench_result):
     K, bounds = m["num_stages"], m["boundaries"]
     # FDG 2(K-1-k), DDG K-k (its forward stashes before its backward frees a slot),
     # PipeDream K-1-k (its backward frees one before its forward stashes).
-    rings = [{"fdg": 2 * (K - 1 - k), "ddg": K - k, "pipedream": K - 1 - k}[m["algorithm"]]
-             for k in range(K - 1)] + [0]
+    by_hand = {"fdg": lambda k: 2 * (K - 1 - k), "ddg": lambda k: K - k,
+               "pipedream": lambda k: K - 1 - k}
+    if m["algorithm"] in by_hand:
+      rings = [by_hand[m["algorithm"]](k) for k in range(K - 1)] + [0]
+    else:  # a registered plan: the ring its dataflow implies
+      rings = list(plans.derive(plans.plan(m["algorithm"], K)).ring_sizes)
     assert list(m["ring_sizes"]) == rings
     held = [partition.ring_length(k, K, m["algorithm"]) for k in range(K)]
     heads = delays.ring_heads_default(jax.default_backend())  # the schedules' default
@@ -448,7 +483,7 @@ def test_pin_host_puts_the_caller_alone_on_a_core_and_restores_affinities(tmp_pa
   started.wait()
   before = os.sched_getaffinity(seen["tid"])
   try:
-    with bench.schedules.host_thread_pinned():
+    with timing.host_thread_pinned():
       assert sorted(os.sched_getaffinity(0)) == cores[:1]
       assert sorted(os.sched_getaffinity(seen["tid"])) == cores[1:]
     assert sorted(os.sched_getaffinity(0)) == cores

@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     from fdg_jax.bench import data
     data.main(argv[1:])
     return 0
-  from fdg_jax.bench import schedules
-  return schedules.main(argv)
+  from fdg_jax.bench import cli
+  return cli.main(argv)
 
 
 if __name__ == "__main__":
