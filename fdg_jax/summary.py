@@ -17,7 +17,12 @@ import sys
 
 import numpy as np
 
-from fdg_jax import models, partition
+from fdg_jax import models, partition, plans
+
+
+def _delayed() -> tuple:
+  """The registered schedules whose stages stash across ticks (a ring per stage)."""
+  return plans.names(delayed=True, microbatched=False)
 
 
 def summarize(model: models.Model, num_stages: int, how="balanced", *, batch_size: int = 1,
@@ -29,8 +34,9 @@ def summarize(model: models.Model, num_stages: int, how="balanced", *, batch_siz
     (max / mean of the per-stage tick cost) and `stages`, a list of dicts with keys
     start, stop, first, last (block labels), params, flops_per_sample (training forward),
     tick_cost (forward + backward, in `cost` units, for the whole batch),
-    activation_bytes_per_sample (stage output), slot_bytes, fdg_stash_bytes, ddg_stash_bytes
-    (for the whole batch).
+    activation_bytes_per_sample (stage output), slot_bytes and, for every registered schedule
+    whose gradients are delayed (`fdg_jax.plans.names(delayed=True)`: ddg, fdg, pipedream,
+    ...), NAME_stash_bytes (for the whole batch).
   """
   if batch_size < 1:
     raise ValueError(f"batch size must be >= 1, got {batch_size}")
@@ -55,8 +61,8 @@ def summarize(model: models.Model, num_stages: int, how="balanced", *, batch_siz
         "tick_cost": float(tick[a:b].sum()),
         "activation_bytes_per_sample": out.size * out.dtype.itemsize // batch_size,
         "slot_bytes": slots[k],
-        "fdg_stash_bytes": slots[k] * partition.ring_length(k, num_stages, "fdg"),
-        "ddg_stash_bytes": slots[k] * partition.ring_length(k, num_stages, "ddg"),
+        **{f"{name}_stash_bytes": slots[k] * partition.ring_length(k, num_stages, name)
+           for name in _delayed()},
     })
   costs = np.array([s["tick_cost"] for s in stages])
   return {
@@ -92,15 +98,14 @@ def format_table(s: dict) -> str:
   label = {"flops": "tick FLOPs", "bytes": "tick bytes", "time": "tick time"}[s["cost"]]
   rows = [("stage", "blocks", "first..last", "params", "fwd FLOPs/sample",
            f"{label} (batch {s['batch_size']})", "act B/sample",
-           f"FDG stash (batch {s['batch_size']})",
-           f"DDG stash (batch {s['batch_size']})")]
+           *(f"{name.upper()} stash (batch {s['batch_size']})" for name in _delayed()))]
   for st in s["stages"]:
     tick = f"{st['tick_cost'] * 1e3:.3f}ms" if s["cost"] == "time" else _si(st["tick_cost"], unit)
     rows.append((str(st["stage"]), f"{st['start']}-{st['stop'] - 1}",
                  f"{st['first']}..{st['last']}", _si(st["params"]),
                  _si(st["flops_per_sample"]), tick,
-                 _bytes(st["activation_bytes_per_sample"]), _bytes(st["fdg_stash_bytes"]),
-                 _bytes(st["ddg_stash_bytes"])))
+                 _bytes(st["activation_bytes_per_sample"]),
+                 *(_bytes(st[f"{name}_stash_bytes"]) for name in _delayed())))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = [f"{s['model']}: {s['num_stages']} stages, {s['split']} split, boundaries "
            f"{s['boundaries']}"]
