@@ -620,7 +620,9 @@ def auto_markdown(study: Study, summary: dict) -> str:
   protocol tried it, its held-out score against no remedy (at the schedule's chosen rate)
   and the test runs that the choice led to, with or without it."""
   rows, unit = summary["rows"], ("loss" if study.by_loss else "accuracy %")
-  show = (lambda v: f"{-v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
+  # a score (higher is better: minus a loss, or an accuracy) and a difference of two, as shown
+  diff = (lambda v: f"{v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
+  show = (lambda v: diff(-v)) if study.by_loss else diff
   lines = [f"<!-- time_to_quality {study.part} auto: written by `python "
            f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->",
            f"| schedule | held-out {unit}: `auto` vs no remedy (seed "
@@ -634,7 +636,6 @@ def auto_markdown(study: Study, summary: dict) -> str:
     plain = study.record(study.held_out(schedule, lr))
     auto = study.record(study.held_out(schedule, lr, autos[0]))
     margin, se = study.score(auto) - study.score(plain), study.standard_error(plain)
-    diff = (lambda v: f"{v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
     verdict = (f"{'better' if margin > 0 else 'worse'} by {diff(abs(margin))}, "
                f"{'more' if margin > se else 'not more'} than the standard error {diff(se)}")
     r = rows[schedule]
@@ -705,7 +706,9 @@ def main(argv=None) -> int:
   horizons = "horizons" in study.spec
   summary = (summarise_horizons if horizons else summarise)(study, tests)
   text = (markdown_horizons if horizons else markdown)(args.part, summary, study.log)
-  if args.auto_markdown and not horizons:
+  if args.auto_markdown:
+    if horizons:
+      raise SystemExit(f"error: --auto_markdown reads a part without horizons, not {args.part}")
     print(auto_markdown(study, summary))
     return 0
   print(text)

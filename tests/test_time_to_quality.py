@@ -203,13 +203,18 @@ RESULT = ROOT / "docs" / "results" / "time_to_quality_fashion_mlp.json"
 DOCS = ROOT / "docs" / "staleness.md"
 
 
-@pytest.mark.skipif(not RESULT.exists(), reason="the part has not been run")
-def test_the_docs_table_is_what_the_report_prints_from_the_committed_json():
+def _report(*flags: str) -> str:
+  """What `time_to_quality.py --part fashion_mlp --report FLAGS` prints (asserted to succeed)."""
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
-                        "--part", "fashion_mlp", "--report", "--markdown"],
+                        "--part", "fashion_mlp", "--report", *flags],
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
-  table = out.stdout.strip()
+  return out.stdout.strip()
+
+
+@pytest.mark.skipif(not RESULT.exists(), reason="the part has not been run")
+def test_the_docs_table_is_what_the_report_prints_from_the_committed_json():
+  table = _report("--markdown")
   assert table.startswith("<!-- time_to_quality fashion_mlp")
   assert table in DOCS.read_text(), "docs/staleness.md's table differs from the report"
 
@@ -347,11 +352,7 @@ README = ROOT / "README.md"
 
 @pytest.mark.skipif(not RESULT.exists(), reason="the part has not been run")
 def test_the_readme_auto_table_is_what_the_report_prints_from_the_committed_json():
-  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
-                        "--part", "fashion_mlp", "--report", "--auto_markdown"],
-                       capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  table = out.stdout.strip()
+  table = _report("--auto_markdown")
   assert table.startswith("<!-- time_to_quality fashion_mlp auto")
   # Both schedules that tried auto, one kept (K=8) and one not (K=4).
   assert "| FDG K=8 |" in table and "`auto` |" in table and "no remedy |" in table

@@ -30,7 +30,8 @@ Data-parallel replicas (an (R, K) ("data", "stage") mesh, `mesh=`): the program 
 examples) and of the messages and stash, and its own copy of its stage's core state. The
 stage work is the same function, traced for one replica (`StageMath.per_replica`):
 gradients, BatchNorm statistics and the metrics are averaged over the replicas with `pmean`
-(inside the switch: the devices of one stage column take the same branch), and each replica draws its own dropout masks. Unlike the per-stage engine,
+(inside the switch: the devices of one stage column take the same branch), and each
+replica draws its own dropout masks. Unlike the per-stage engine,
 whose programs see the global batch (jit inserts the all-reduce, and BatchNorm normalises
 over all B examples), a BatchNorm layer here normalises over its replica's B/R examples, as
 data-parallel training without synchronised BatchNorm does; for models without such
