@@ -3,6 +3,7 @@
     python benchmarks/time_to_quality.py --part fashion_mlp             # runs, then the report
     python benchmarks/time_to_quality.py --part fashion_mlp --report    # the report only
     python benchmarks/time_to_quality.py --part fashion_mlp --report --markdown  # docs' tables
+    python benchmarks/time_to_quality.py --part gpt_long --status   # progress, next runs
 
 The protocol (benchmarks/protocols/time_to_quality.json: the grids, the edge rule, the
 remedies per schedule, the tie rule, the seeds, what was pruned) governs every run; each
@@ -145,6 +146,66 @@ class ReadOnly:
     if missing:
       raise ProtocolError(f"{len(missing)} run(s) of the protocol have no record, e.g. "
                           f"{missing[0]}; run the part without --report first")
+
+
+class Pending(Exception):
+  """Raised by `Planner` at the first batch of runs the protocol needs and has no record of."""
+
+  def __init__(self, tasks: list[dict]):
+    super().__init__(f"{len(tasks)} run(s) pending")
+    self.tasks = tasks
+
+
+class Planner:
+  """The records so far (--status): stops at the first batch of runs without a record, so
+  the study's progress is known without training anything or reading a score it should not."""
+
+  def __init__(self, records: dict):
+    self.records = records
+
+  def __call__(self, tasks):
+    missing = [t for t in tasks if t["key"] not in self.records]
+    if missing:
+      raise Pending(missing)
+
+
+def task_steps(spec: dict, task: dict) -> int | None:
+  """Training steps of a task where the part's data fixes them (text parts), else None."""
+  if "text_max_bytes" not in spec["fields"]:
+    return None
+  return text_steps_per_epoch(spec) * int(task["fields"]["num_epochs"])
+
+
+def status(study: "Study") -> str:
+  """Where a part stands: its records under this version, the choices made so far (held-out
+  only), and the next batch of runs the protocol needs, with their steps where known."""
+  records = [r for r in study.records.values() if r.get("protocol_sha256") == study.sha]
+  other = len(study.records) - len(records)
+  counts = {s: sum(r["split"] == s for r in records) for s in ("held_out", "test")}
+  lines = [f"part {study.part}: {counts['held_out']} held-out and {counts['test']} test "
+           f"record(s) under this protocol version"
+           + (f" ({other} of another version, ignored)" if other else "")]
+  pending = None
+  try:
+    study.select()
+    study.test()
+  except Pending as e:
+    pending = e.tasks
+  phase = "selection" if len(study.chosen) < len(study.spec["schedules"]) else "test"
+  for schedule, c in study.chosen.items():
+    lines.append(f"  chosen {schedule}: lr x{c['lr_mult']:g}, {c['remedy'] or 'no remedy'}")
+  lines += [f"  tie: {line}" for line in study.log]
+  if pending is None:
+    lines.append("complete: every run the protocol needs has a record; --report prints it")
+    return "\n".join(lines)
+  steps = [task_steps(study.spec, t) for t in pending]
+  known = None if None in steps else sum(steps)
+  lines.append(f"next ({phase}): {len(pending)} run(s)"
+               + (f", {known:,} steps" if known is not None else "")
+               + (" (later batches depend on these runs' choices)" if phase == "selection"
+                  else " (the last batch)"))
+  lines += [f"  {t['what']}" for t in pending]
+  return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ the protocol
@@ -678,6 +739,9 @@ def main(argv=None) -> int:
   parser.add_argument("--markdown", action="store_true", help="print the docs' table only")
   parser.add_argument("--auto_markdown", action="store_true",
                       help="print the README's table of what staleness=auto gave only")
+  parser.add_argument("--status", action="store_true",
+                      help="where the part stands: choices so far and the next runs (trains "
+                           "nothing, reads no test score)")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
@@ -688,6 +752,13 @@ def main(argv=None) -> int:
     parser.error(f"unknown part {args.part!r}; the protocol has {list(protocol['parts'])}")
   out = pathlib.Path(args.out or ROOT / "docs" / "results" / f"time_to_quality_{args.part}.json")
   started = time.time()
+  if args.status:
+    records = json.loads(out.read_text())["records"] if out.exists() else {}
+    try:
+      print(status(Study(protocol, args.part, Planner(records), records)))
+    except ProtocolError as e:
+      raise SystemExit(f"error: {e}")
+    return 0
   if args.report:
     if not out.exists():
       raise SystemExit(f"error: {out} does not exist; run the part without --report first")

@@ -357,3 +357,30 @@ def test_the_readme_auto_table_is_what_the_report_prints_from_the_committed_json
   # Both schedules that tried auto, one kept (K=8) and one not (K=4).
   assert "| FDG K=8 |" in table and "`auto` |" in table and "no remedy |" in table
   assert table in README.read_text(), "README's auto table differs from the report"
+
+
+def test_status_names_the_next_batch_and_never_trains():
+  """--status walks the protocol over the records so far: the choices made, then the first
+  batch without records (the study's next runs); complete once every run has a record."""
+  full, runner = _study()
+  full.select()
+  full.test()
+  records = dict(runner.records)
+  # Drop the records of FDG K=4's remedy candidates: BP and DDG K=4 are chosen, FDG K=4's
+  # learning rate is, and the next batch is those candidates (and the plain run is kept).
+  remedy_keys = {full.held_out("FDG K=4", 0.5, r)["key"] for r in PART["remedies"]["FDG K=4"]}
+  partial = {k: v for k, v in records.items() if k not in remedy_keys}
+  text = ttq.status(ttq.Study(_protocol(), "fashion_mlp", ttq.Planner(partial), partial))
+  assert "chosen BP: lr x1, no remedy" in text and "chosen DDG K=4: lr x2, no remedy" in text
+  assert "chosen FDG K=4" not in text
+  assert f"next (selection): {len(remedy_keys)} run(s)" in text
+  assert "held_out FDG K=4 lr x0.5 auto seed 0" in text
+  assert "held_out FDG K=4 lr x0.5 beta 0.5 seed 0" in text
+  # No test record: the test phase is the one batch left, every chosen setting's runs.
+  held = {k: v for k, v in records.items() if v["split"] == "held_out"}
+  text = ttq.status(ttq.Study(_protocol(), "fashion_mlp", ttq.Planner(held), held))
+  tests = [r for r in records.values() if r["split"] == "test"]
+  assert f"next (test): {len(tests)} run(s) (the last batch)" in text
+  assert "chosen FDG K=8: lr x1, no remedy" in text
+  text = ttq.status(ttq.Study(_protocol(), "fashion_mlp", ttq.Planner(records), records))
+  assert text.endswith("--report prints it") and "next" not in text
