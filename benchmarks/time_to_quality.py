@@ -100,6 +100,14 @@ class _nothing:
     return False
 
 
+def pending(tasks: list[dict], records: dict) -> list[dict]:
+  """The tasks without a record, each config once (two cells can ask for the same run: a
+  horizon h's long run is horizon 2h's equal run), shortest first: the records of a batch are
+  independent of its order, and the short runs complete whole cells of the report soonest."""
+  todo = {t["key"]: t for t in tasks if t["key"] not in records}
+  return sorted(todo.values(), key=lambda t: float(t["fields"].get("num_epochs", 0)))
+
+
 class Runner:
   """Trains runs in a pool of worker processes, keeping every record in the part's JSON."""
 
@@ -109,7 +117,7 @@ class Runner:
     self.pool = None
 
   def __call__(self, tasks: list[dict]) -> None:
-    todo = [t for t in tasks if t["key"] not in self.records]
+    todo = pending(tasks, self.records)
     if not todo:
       return
     if self.pool is None:
@@ -164,7 +172,7 @@ class Planner:
     self.records = records
 
   def __call__(self, tasks):
-    missing = [t for t in tasks if t["key"] not in self.records]
+    missing = pending(tasks, self.records)
     if missing:
       raise Pending(missing)
 

@@ -5,6 +5,7 @@ must make is known in advance. The test surface disagrees with the held-out one 
 choice is made, so a choice read from test records changes the outcome.
 """
 
+import concurrent.futures
 import copy
 import importlib.util
 import json
@@ -384,3 +385,39 @@ def test_status_names_the_next_batch_and_never_trains():
   assert "chosen FDG K=8: lr x1, no remedy" in text
   text = ttq.status(ttq.Study(_protocol(), "fashion_mlp", ttq.Planner(records), records))
   assert text.endswith("--report prints it") and "next" not in text
+
+
+def test_a_run_two_cells_share_is_planned_and_trained_once_shortest_first(tmp_path):
+  """A horizon h's long run is horizon 2h's equal run: same config, same key. The pending
+  batch holds it once, ordered by epochs; --status counts it once."""
+  study, runner = _gpt_study()
+  study.select()
+  tasks = [t for cell in study.test_tasks().values() for ts in cell.values() for t in ts]
+  keys = [t["key"] for t in tasks]
+  assert len(set(keys)) < len(keys)  # the protocol's cells do share runs
+  todo = ttq.pending(tasks, runner.records)
+  assert sorted(t["key"] for t in todo) == sorted(set(keys))
+  epochs = [t["fields"]["num_epochs"] for t in todo]
+  assert epochs == sorted(epochs) and epochs[0] == 1 and epochs[-1] == 8
+  held = dict(runner.records)
+  text = ttq.status(ttq.Study(_protocol(), "gpt_long", ttq.Planner(held), held))
+  assert f"next (test): {len(set(keys))} run(s)" in text
+  steps = sum(t["fields"]["num_epochs"] for t in todo) * ttq.text_steps_per_epoch(GPT)
+  assert f"{steps:,} steps" in text
+  # The runner itself: each shared run is trained (submitted) once.
+  submitted = []
+
+  class Pool:
+    def submit(self, fn, task):
+      submitted.append(task["key"])
+      fut = concurrent.futures.Future()
+      fut.set_result({"diverged": False, "test_loss": 1.0, "test_accuracy": 0.0,
+                      "wall_time": 0.0, "curve": []})
+      return fut
+
+  out = tmp_path / "records.json"
+  run = ttq.Runner(out, tmp_path, jobs=1)
+  run.pool = Pool()
+  run(tasks)
+  assert sorted(submitted) == sorted(set(keys))
+  assert set(json.loads(out.read_text())["records"]) == set(keys)
