@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
+import fcntl
 import hashlib
 import json
 import math
@@ -65,8 +66,8 @@ def config_key(fields: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ the runs
-def _worker(task: dict) -> dict:
-  """One training run in a worker process; its record with the per-epoch curve."""
+def _config_and_fields(task: dict):
+  """The task's base config (its nested fields set) and the flat fields `run_one` applies."""
   import ml_collections
   config = load_config(str(ROOT / task["config"]))
   fields = copy.deepcopy(task["fields"])
@@ -76,6 +77,27 @@ def _worker(task: dict) -> dict:
       if key == "model_kwargs" and "widths" in value:
         value["widths"] = tuple(value["widths"])
       config[key] = ml_collections.ConfigDict(value)
+  return config, fields
+
+
+def auto_resolution(task: dict) -> dict | None:
+  """What `staleness=auto` sets for a task that runs it (the library's table now), else None.
+  A record stores it: the config key names "auto", not what auto meant when it ran."""
+  if task["fields"].get("staleness") != "auto":
+    return None
+  from fdg_jax import trainer
+  config, fields = _config_and_fields(task)
+  config = config.copy_and_resolve_references()
+  for key, value in fields.items():
+    config[key] = value
+  return trainer.auto_fields(config)[0]
+
+
+def _worker(task: dict) -> dict:
+  """One training run in a worker process; its record with the per-epoch curve (and, for a
+  run of staleness=auto, what auto set)."""
+  config, fields = _config_and_fields(task)
+  resolved = auto_resolution(task)
   if task["split"] != "held_out":
     held = _nothing()
   elif "text_offset" in task["held_out"]:  # the training bytes after those trained on
@@ -83,13 +105,32 @@ def _worker(task: dict) -> dict:
     held = text_validation_split(task["held_out"]["text_offset"], task["held_out"]["text_bytes"])
   else:
     held = validation_split(task["held_out"]["fraction"], task["held_out"]["seed"])
+  # One process at a time per run directory: a second run of the same key (another study's
+  # process on the same workdir, say) waits, then trains from scratch.
+  lock = open(pathlib.Path(task["workroot"]) / f"{task['key']}.lock", "w")
+  fcntl.flock(lock, fcntl.LOCK_EX)
   try:
     with held:
       record = run_one(config, task["workroot"], task["key"], **fields)
   except Exception as e:  # noqa: BLE001  a run that cannot start counts as failed
     record = {"diverged": True, "error": f"{type(e).__name__}: {e}", "test_accuracy": math.nan,
               "test_loss": math.nan, "wall_time": 0.0, "curve": []}
+  finally:
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+  if resolved is not None:
+    record["auto_resolved"] = resolved
   return record
+
+
+def _die_with_parent() -> None:
+  """A worker ends when the study's process does (Linux), not training on as an orphan."""
+  try:
+    import ctypes
+    import signal
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass
 
 
 class _nothing:
@@ -121,8 +162,10 @@ class Runner:
     if not todo:
       return
     if self.pool is None:
+      self.workroot.mkdir(parents=True, exist_ok=True)
       self.pool = concurrent.futures.ProcessPoolExecutor(
-          self.jobs, mp_context=multiprocessing.get_context("spawn"))
+          self.jobs, mp_context=multiprocessing.get_context("spawn"),
+          initializer=_die_with_parent)
     futures = {self.pool.submit(_worker, {**t, "workroot": str(self.workroot)}): t for t in todo}
     for fut in concurrent.futures.as_completed(futures):
       t = futures[fut]
@@ -231,6 +274,8 @@ class Study:
     self.run, self.records = run, records
     self.chosen: dict[str, dict] = {}
     self.log: list[str] = []
+    self.check_auto = True  # a record of staleness=auto must match what auto sets now
+    self.auto_now: dict[str, dict | None] = {}
 
   # -- tasks --
   def fields(self, schedule: str, lr_mult: float, remedy: str | None, seed: int,
@@ -276,6 +321,12 @@ class Study:
       raise ProtocolError(f"the record of {task['what']} was made under another version of "
                           f"part {self.part!r} (protocol sha256 {r.get('protocol_sha256')!r},"
                           f" now {self.sha}); rerun the part")
+    if self.check_auto and task["fields"].get("staleness") == "auto":
+      now = self.auto_now.setdefault(task["key"], auto_resolution(task))
+      if r.get("auto_resolved") != now:
+        raise ProtocolError(f"the record of {task['what']} ran staleness=auto as "
+                            f"{r.get('auto_resolved')}, and auto now sets {now} "
+                            "(fdg_jax/optim/auto.py changed): rerun those runs")
     return r
 
   def held_out(self, schedule, lr_mult, remedy=None) -> dict:

@@ -70,6 +70,12 @@ def _final(task) -> float:
 PART = _protocol()["parts"]["fashion_mlp"]
 
 
+def _auto(task) -> dict:
+  """What a real run of staleness=auto stores: what auto set (the library's table)."""
+  resolved = ttq.auto_resolution(task)
+  return {} if resolved is None else {"auto_resolved": resolved}
+
+
 class FakeRunner:
   """Records from the surfaces: a linear climb from 0.5 to the final accuracy over the run's
   epochs (so a longer run reaches any level later in epochs, earlier in fractions)."""
@@ -88,7 +94,8 @@ class FakeRunner:
                for e in range(1, epochs + 1)]
       self.records[t["key"]] = {"key": t["key"], "diverged": False, "test_accuracy": final,
                                 "test_loss": 1.0, "curve": curve, "split": t["split"],
-                                "fields": t["fields"], "protocol_sha256": t["protocol_sha256"]}
+                                "fields": t["fields"], "protocol_sha256": t["protocol_sha256"],
+                                **_auto(t)}
 
 
 def _study(protocol=None, runner=None):
@@ -285,7 +292,7 @@ class FakeLossRunner(FakeRunner):
       self.records[t["key"]] = {"key": t["key"], "diverged": False, "test_accuracy": 0.0,
                                 "test_loss": final, "test_loss_se": GSE, "curve": curve,
                                 "split": t["split"], "fields": f,
-                                "protocol_sha256": t["protocol_sha256"]}
+                                "protocol_sha256": t["protocol_sha256"], **_auto(t)}
 
 
 def _gpt_study(runner=None):
@@ -421,3 +428,21 @@ def test_a_run_two_cells_share_is_planned_and_trained_once_shortest_first(tmp_pa
   run(tasks)
   assert sorted(submitted) == sorted(set(keys))
   assert set(json.loads(out.read_text())["records"]) == set(keys)
+
+
+def test_a_record_of_auto_made_under_another_auto_table_is_refused():
+  """The config key names "auto", not what it set: a record stores what auto set, and one
+  whose auto differs from the library's table now is refused (as another protocol version)."""
+  study, runner = _gpt_study()
+  study.select()
+  task = study.task("held_out", "DDG K=4", 2.0, "auto", GPT["selection_seed"])
+  record = runner.records[task["key"]]
+  assert record["auto_resolved"] == {"staleness": "error_feedback", "staleness_strength": 0.5}
+  study.record(task)  # as the table stands: accepted
+  record["auto_resolved"] = {"staleness": "error_feedback", "staleness_strength": 1.0}
+  fresh = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
+  with pytest.raises(ttq.ProtocolError, match="auto now sets"):
+    fresh.select()
+  del record["auto_resolved"]  # a record that does not say what auto set: refused too
+  with pytest.raises(ttq.ProtocolError, match="ran staleness=auto as None"):
+    ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records).select()

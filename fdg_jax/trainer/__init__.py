@@ -11,7 +11,7 @@ whose message is one line; `train.py` prints it and exits non-zero without a tra
 Modules, one concern each:
 
 - `prepare`: from a config to the model, data, stages and schedule (`setup`,
-  `make_schedule`, `choose_placement`, `resolve_auto`, `setup_cpu_devices`);
+  `make_schedule`, `choose_placement`, `resolve_auto`, `auto_fields`, `setup_cpu_devices`);
 - `checkpoints`: the orbax checkpoints (`Checkpointer`, `CheckpointError`);
 - `loop`: the training loop (`train_and_evaluate`, `TrainingLoop`, signals, watchdog);
 - `evaluation`: test-set metrics (`evaluate`) and the finiteness checks of a state;
@@ -28,13 +28,14 @@ from fdg_jax.trainer.evaluation import evaluate
 from fdg_jax.trainer.loop import (STALL_STACKS, DivergedError, Interrupted, TrainingLoop,
                                   train_and_evaluate)
 from fdg_jax.trainer.metrics import METRICS_FILE
-from fdg_jax.trainer.prepare import (CONFIG_CHANGES_FILE, Run, choose_placement, loss_fn,
-                                     make_schedule, resolve_auto, setup, setup_cpu_devices,
-                                     staleness_hparams)
+from fdg_jax.trainer.prepare import (CONFIG_CHANGES_FILE, Run, auto_fields, choose_placement,
+                                     loss_fn, make_schedule, resolve_auto, setup,
+                                     setup_cpu_devices, staleness_hparams)
 
 __all__ = [
     "CHECKPOINT_DIR", "CONFIG_CHANGES_FILE", "CheckpointError", "Checkpointer", "ConfigError",
     "DivergedError", "Interrupted", "METRICS_FILE", "Run", "STALL_STACKS", "TrainingLoop",
-    "UserError", "choose_placement", "evaluate", "loss_fn", "make_schedule", "resolve_auto",
-    "setup", "setup_cpu_devices", "staleness_hparams", "train_and_evaluate", "validate",
+    "UserError", "auto_fields", "choose_placement", "evaluate", "loss_fn", "make_schedule",
+    "resolve_auto", "setup", "setup_cpu_devices", "staleness_hparams", "train_and_evaluate",
+    "validate",
 ]

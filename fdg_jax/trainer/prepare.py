@@ -167,6 +167,15 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              model_states=model_states)
 
 
+def auto_fields(config) -> tuple[dict, str]:
+  """What `staleness=auto` sets for `config` (`fdg_jax.optim.auto.recommend` on its
+  optimiser, schedule, K, momentum, ...): (config fields, the start line)."""
+  return auto.recommend(
+      config.optimizer, config.algorithm, num_stages=config.num_stages,
+      momentum=config.momentum, nesterov=config.nesterov, beta=config.beta,
+      backward=config.backward, hparams=tuple(optimizer_hparams(config)))
+
+
 def resolve_auto(config):
   """`config` with `staleness="auto"` replaced by the study's choice for its optimiser,
   schedule, K and momentum (`fdg_jax.optim.auto.recommend`: nothing outside what the study covered),
@@ -175,10 +184,7 @@ def resolve_auto(config):
   `jax.eval_shape` (nothing allocated)."""
   if config.get("staleness", "none") != "auto":
     return config
-  fields, line = auto.recommend(
-      config.optimizer, config.algorithm, num_stages=config.num_stages,
-      momentum=config.momentum, nesterov=config.nesterov, beta=config.beta,
-      backward=config.backward, hparams=tuple(optimizer_hparams(config)))
+  fields, line = auto_fields(config)
   resolved = config.copy_and_resolve_references()
   for key, value in fields.items():
     resolved[key] = value
