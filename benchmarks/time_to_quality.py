@@ -603,7 +603,8 @@ def summarise_horizons(study: Study, tests: dict) -> dict:
     for schedule, cell in tests.items():
       mean, std, runs = _ppl(cell[f"equal@{h}"])
       row = {**study.chosen[schedule], "ppl": mean, "ppl_std": std, "runs": runs,
-             "seeds": len(cell[f"equal@{h}"]), "steps": h * spe}
+             "seeds": len(cell[f"equal@{h}"]), "steps": h * spe,
+             "auto_set": cell[f"equal@{h}"][0].get("auto_resolved")}
       if schedule != "BP":
         reach = steps_to_fall_to(loss_curve(cell[f"long@{h}"]), bp_loss)
         row.update(gap=mean / bp_ppl - 1, long_steps=int(round(spec["horizon_factor"] * h)) * spe,
@@ -622,8 +623,19 @@ def summarise_horizons(study: Study, tests: dict) -> dict:
         out["auto"][schedule] = {"ppl": mean, "ppl_std": std, "runs": n, "seeds": len(runs),
                                  "lr_mult": study.chosen[schedule]["lr_mult"],
                                  "gap": mean / out["horizons"][longest]["bp_ppl"] - 1,
-                                 "steps": int(key[5:]) * spe}
+                                 "steps": int(key[5:]) * spe,
+                                 "auto_set": runs[0].get("auto_resolved")}
   return out
+
+
+def _auto_note(resolved: dict | None) -> str:
+  """' (auto: what it set)' for a row whose runs ran staleness=auto, else ''."""
+  if not resolved:
+    return ""
+  parts = [resolved.get("staleness", "none")] + [
+      f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+      for k, v in sorted(resolved.items()) if k != "staleness"]
+  return f" (auto: {', '.join(parts)})"
 
 
 def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
@@ -637,6 +649,7 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
   for h, block in summary["horizons"].items():
     for schedule, r in block["rows"].items():
       chosen = f"lr ×{r['lr_mult']:g}" + (f", {r['remedy']}" if r["remedy"] else "")
+      chosen += _auto_note(r.get("auto_set"))
       if schedule == "BP":
         lines.append(f"| {r['steps']} | BP | {chosen} | {fmt(r)} | – | 1 | 1 | 1 |")
         continue
@@ -647,8 +660,8 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
       lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
                    f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
   for schedule, r in summary["auto"].items():
-    lines.append(f"| {r['steps']} | {schedule}, `staleness=auto` | lr ×{r['lr_mult']:g}, auto "
-                 f"| {fmt(r)} | {100 * r['gap']:+.1f}% | – | – | – |")
+    lines.append(f"| {r['steps']} | {schedule}, `staleness=auto` | lr ×{r['lr_mult']:g}, auto"
+                 f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% | – | – | – |")
   if log:
     lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
     lines += [f"- {entry}" for entry in log]

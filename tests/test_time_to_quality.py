@@ -347,6 +347,10 @@ def test_gpt_horizons_overhead_and_auto_rows():
   assert summary["auto"]["DDG K=4"]["steps"] == 6000
   text = ttq.markdown_horizons("gpt_long", summary, study.log)
   assert "| 3000 | DDG K=4 | lr ×2 |" in text and "`staleness=auto`" in text
+  # What auto set, from the records: in the chosen column and in the auto rows.
+  ef = "(auto: error_feedback, staleness_strength 0.5)"
+  assert f"| 6000 | FDG K=4 | lr ×0.5, auto & warmup 1/3 {ef} |" in text
+  assert f"| 6000 | DDG K=4, `staleness=auto` | lr ×2, auto {ef} |" in text
 
 
 def test_steps_to_fall_to_a_loss():
