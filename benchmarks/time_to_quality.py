@@ -661,7 +661,8 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
                    f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
   for schedule, r in summary["auto"].items():
     lines.append(f"| {r['steps']} | {schedule}, `staleness=auto` | lr ×{r['lr_mult']:g}, auto"
-                 f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% | – | – | – |")
+                 f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% "
+                 "| – | – | – |")
   if log:
     lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
     lines += [f"- {entry}" for entry in log]
