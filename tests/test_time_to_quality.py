@@ -211,10 +211,10 @@ RESULT = ROOT / "docs" / "results" / "time_to_quality_fashion_mlp.json"
 DOCS = ROOT / "docs" / "staleness.md"
 
 
-def _report(*flags: str) -> str:
-  """What `time_to_quality.py --part fashion_mlp --report FLAGS` prints (asserted to succeed)."""
+def _report(*flags: str, part: str = "fashion_mlp") -> str:
+  """What `time_to_quality.py --part PART --report FLAGS` prints (asserted to succeed)."""
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
-                        "--part", "fashion_mlp", "--report", *flags],
+                        "--part", part, "--report", *flags],
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   return out.stdout.strip()
@@ -450,3 +450,22 @@ def test_a_record_of_auto_made_under_another_auto_table_is_refused():
   del record["auto_resolved"]  # a record that does not say what auto set: refused too
   with pytest.raises(ttq.ProtocolError, match="ran staleness=auto as None"):
     ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records).select()
+
+
+GPT_RESULT = ROOT / "docs" / "results" / "time_to_quality_gpt_long.json"
+
+
+def _gpt_long_complete() -> bool:
+  """Whether every run gpt_long's protocol needs has a record (what --status says)."""
+  if not GPT_RESULT.exists():
+    return False
+  records = json.loads(GPT_RESULT.read_text())["records"]
+  study = ttq.Study(_protocol(), "gpt_long", ttq.Planner(records), records)
+  return ttq.status(study).splitlines()[-1].startswith("complete")
+
+
+@pytest.mark.skipif(not _gpt_long_complete(), reason="gpt_long's runs are not all recorded")
+def test_the_gpt_long_docs_table_is_what_the_report_prints_from_the_committed_json():
+  table = _report("--markdown", part="gpt_long")
+  assert table.startswith("<!-- time_to_quality gpt_long")
+  assert table in DOCS.read_text(), "docs/staleness.md's gpt_long table differs from the report"
