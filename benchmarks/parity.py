@@ -109,14 +109,20 @@ def enable_compilation_cache() -> None:
   compile_cache.enable(os.environ.get("FDG_JAX_COMPILATION_CACHE", "auto"))
 
 
+def with_fields(base, **fields):
+  """A resolved copy of config `base` with `fields` set."""
+  config = base.copy_and_resolve_references()
+  for key, value in fields.items():
+    config[key] = value
+  return config
+
+
 def run_one(base, workroot: str, name: str, **fields) -> dict:
   """One `train_and_evaluate` run of `base` with `fields` changed; returns its record."""
   from fdg_jax import trainer
   enable_compilation_cache()
 
-  config = base.copy_and_resolve_references()
-  for key, value in fields.items():
-    config[key] = value
+  config = with_fields(base, **fields)
   config.progress_bar = False
   workdir = os.path.join(workroot, name)
   shutil.rmtree(workdir, ignore_errors=True)  # never resume a stale run with other settings

@@ -38,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from parity import ROOT, load_config, run_one, validation_split  # noqa: E402
+from parity import ROOT, load_config, run_one, validation_split, with_fields  # noqa: E402
 
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "time_to_quality.json"
 
@@ -87,10 +87,7 @@ def auto_resolution(task: dict) -> dict | None:
     return None
   from fdg_jax import trainer
   config, fields = _config_and_fields(task)
-  config = config.copy_and_resolve_references()
-  for key, value in fields.items():
-    config[key] = value
-  return trainer.auto_fields(config)[0]
+  return trainer.auto_fields(with_fields(config, **fields))[0]
 
 
 def _worker(task: dict) -> dict:
@@ -274,8 +271,7 @@ class Study:
     self.run, self.records = run, records
     self.chosen: dict[str, dict] = {}
     self.log: list[str] = []
-    self.check_auto = True  # a record of staleness=auto must match what auto sets now
-    self.auto_now: dict[str, dict | None] = {}
+    self.auto_now: dict[str, dict | None] = {}  # what auto sets now, per task key
 
   # -- tasks --
   def fields(self, schedule: str, lr_mult: float, remedy: str | None, seed: int,
@@ -321,8 +317,10 @@ class Study:
       raise ProtocolError(f"the record of {task['what']} was made under another version of "
                           f"part {self.part!r} (protocol sha256 {r.get('protocol_sha256')!r},"
                           f" now {self.sha}); rerun the part")
-    if self.check_auto and task["fields"].get("staleness") == "auto":
-      now = self.auto_now.setdefault(task["key"], auto_resolution(task))
+    if task["fields"].get("staleness") == "auto":  # it must match what auto sets now
+      if task["key"] not in self.auto_now:
+        self.auto_now[task["key"]] = auto_resolution(task)
+      now = self.auto_now[task["key"]]
       if r.get("auto_resolved") != now:
         raise ProtocolError(f"the record of {task['what']} ran staleness=auto as "
                             f"{r.get('auto_resolved')}, and auto now sets {now} "
@@ -632,10 +630,8 @@ def _auto_note(resolved: dict | None) -> str:
   """' (auto: what it set)' for a row whose runs ran staleness=auto, else ''."""
   if not resolved:
     return ""
-  parts = [resolved.get("staleness", "none")] + [
-      f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-      for k, v in sorted(resolved.items()) if k != "staleness"]
-  return f" (auto: {', '.join(parts)})"
+  from fdg_jax.optim import auto
+  return f" (auto: {auto.describe(resolved)})"
 
 
 def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:

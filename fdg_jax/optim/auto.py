@@ -91,7 +91,8 @@ def _cell(family: str, algorithm: str, K: int):
   return None, f"{name} not studied for {_FAMILY_NAMES[family]}; it ran K = {ran}"
 
 
-def _describe(fields: dict) -> str:
+def describe(fields: dict) -> str:
+  """Config fields as the start line names them: 'error_feedback, staleness_strength 0.5'."""
   return fields["staleness"] + "".join(f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}"
                                        for k, v in fields.items() if k != "staleness")
 
@@ -163,7 +164,7 @@ def recommend(optimizer: str, algorithm: str, *, num_stages: int, momentum: floa
   who = _FAMILY_NAMES[family]
   fields = dict(remedy or none)
   if remedy:
-    line = f"staleness=auto: {_describe(remedy)}"
+    line = f"staleness=auto: {describe(remedy)}"
   elif where.startswith("at both"):
     line = (f"staleness=auto: none (no remedy common to the study's {algorithm.upper()} "
             f"K={STUDIED_K[0]} and K={STUDIED_K[1]})")
