@@ -117,18 +117,45 @@ def with_fields(base, **fields):
   return config
 
 
-def run_one(base, workroot: str, name: str, **fields) -> dict:
-  """One `train_and_evaluate` run of `base` with `fields` changed; returns its record."""
+def resumable_step(workdir: str, config) -> int | None:
+  """The newest checkpoint's step of an interrupted run of exactly `config` in `workdir` (its
+  config.json equal to `config`, with what `staleness=auto` sets, field for field), else None."""
+  from fdg_jax import trainer
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      saved = json.load(f)
+    steps = [int(p) for p in os.listdir(os.path.join(workdir, trainer.CHECKPOINT_DIR))
+             if p.isdigit()]
+  except (OSError, ValueError):
+    return None
+  if config.get("staleness", "none") == "auto":  # the trainer writes what auto set
+    config = with_fields(config, **trainer.auto_fields(config)[0])
+  if not steps or saved != json.loads(config.to_json_best_effort()):
+    return None
+  return max(steps)
+
+
+def run_one(base, workroot: str, name: str, resume: bool = False, **fields) -> dict:
+  """One `train_and_evaluate` run of `base` with `fields` changed; returns its record.
+
+  With `resume`, a run of exactly this config left in the workdir by an interrupted process
+  goes on from its newest checkpoint (the trainer's resume is bitwise exact) and the record
+  says from which step (`resumed_from_step`; its `wall_time` is this process's share). Any
+  other workdir content is removed first: a run never resumes with other settings."""
   from fdg_jax import trainer
   enable_compilation_cache()
 
   config = with_fields(base, **fields)
   config.progress_bar = False
   workdir = os.path.join(workroot, name)
-  shutil.rmtree(workdir, ignore_errors=True)  # never resume a stale run with other settings
+  resumed = resumable_step(workdir, config) if resume else None
+  if resumed is None:
+    shutil.rmtree(workdir, ignore_errors=True)
   record = {"name": name, "algorithm": config.algorithm, "num_stages": config.num_stages,
             "beta": config.beta, "seed": config.seed, "learning_rate": config.learning_rate,
             "momentum": config.momentum, "backward": config.backward, "diverged": False}
+  if resumed is not None:
+    record["resumed_from_step"] = resumed
   start = time.time()
   try:
     result = trainer.train_and_evaluate(config, workdir)

@@ -103,12 +103,13 @@ def _worker(task: dict) -> dict:
   else:
     held = validation_split(task["held_out"]["fraction"], task["held_out"]["seed"])
   # One process at a time per run directory: a second run of the same key (another study's
-  # process on the same workdir, say) waits, then trains from scratch.
+  # process on the same workdir, say) waits. A run an interrupted study left goes on from its
+  # newest checkpoint when its config.json is this config (the resume is bitwise exact).
   lock = open(pathlib.Path(task["workroot"]) / f"{task['key']}.lock", "w")
   fcntl.flock(lock, fcntl.LOCK_EX)
   try:
     with held:
-      record = run_one(config, task["workroot"], task["key"], **fields)
+      record = run_one(config, task["workroot"], task["key"], resume=True, **fields)
   except Exception as e:  # noqa: BLE001  a run that cannot start counts as failed
     record = {"diverged": True, "error": f"{type(e).__name__}: {e}", "test_accuracy": math.nan,
               "test_loss": math.nan, "wall_time": 0.0, "curve": []}

@@ -469,3 +469,29 @@ def test_the_gpt_long_docs_table_is_what_the_report_prints_from_the_committed_js
   table = _report("--markdown", part="gpt_long")
   assert table.startswith("<!-- time_to_quality gpt_long")
   assert table in DOCS.read_text(), "docs/staleness.md's gpt_long table differs from the report"
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
+  import shutil
+  from fdg_jax import trainer
+  base = ttq.load_config(str(ROOT / "configs" / "default.py"))
+  base.model_kwargs.widths = (16, 16, 16)
+  fields = dict(algorithm="fdg", num_stages=2, batch_size=128, num_epochs=2, momentum=0.9,
+                checkpoint_every_steps=4, staleness="auto", warmup_epochs=0.0)
+  assert trainer.auto_fields(ttq.with_fields(base, **fields))[0]  # auto sets something here
+  whole = ttq.run_one(base, str(tmp_path / "whole"), "k", resume=True, **fields)
+  assert "resumed_from_step" not in whole
+  # An interrupted run: the same config, its newest checkpoint not yet written.
+  shutil.copytree(tmp_path / "whole" / "k", tmp_path / "cut" / "k")
+  ckpts = tmp_path / "cut" / "k" / trainer.CHECKPOINT_DIR
+  steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+  shutil.rmtree(ckpts / str(steps[-1]))
+  resumed = ttq.run_one(base, str(tmp_path / "cut"), "k", resume=True, **fields)
+  assert resumed["resumed_from_step"] == steps[-2] < steps[-1]
+  strip = lambda r: [{k: v for k, v in c.items() if k != "wall_time"} for c in r["curve"]]
+  assert resumed["test_loss"] == whole["test_loss"] and strip(resumed) == strip(whole)
+  # Another config (or resume off) never goes on from the finished run's checkpoints.
+  other = ttq.run_one(base, str(tmp_path / "cut"), "k", resume=True, **{**fields, "seed": 1})
+  assert "resumed_from_step" not in other and other["test_loss"] != whole["test_loss"]
+  fresh = ttq.run_one(base, str(tmp_path / "whole"), "k", **fields)
+  assert "resumed_from_step" not in fresh and strip(fresh) == strip(whole)
