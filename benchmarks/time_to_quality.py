@@ -749,16 +749,27 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
 def auto_markdown(study: Study, summary: dict) -> str:
   """What `staleness=auto` gave in the part, for the README: for each schedule where the
   protocol tried it, its held-out score against no remedy (at the schedule's chosen rate)
-  and the test runs that the choice led to, with or without it."""
-  rows, unit = summary["rows"], ("loss" if study.by_loss else "accuracy %")
+  and the test runs: those the choice led to, with or without it, and (a part with horizons)
+  the runs of `auto` itself at the longest horizon beside the chosen setting's."""
+  horizons = "horizons" in study.spec
+  unit = "loss" if study.by_loss else "accuracy %"
   # a score (higher is better: minus a loss, or an accuracy) and a difference of two, as shown
   diff = (lambda v: f"{v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
   show = (lambda v: diff(-v)) if study.by_loss else diff
   lines = [f"<!-- time_to_quality {study.part} auto: written by `python "
-           f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->",
-           f"| schedule | held-out {unit}: `auto` vs no remedy (seed "
-           f"{study.spec['selection_seed']}) | chosen | test {unit} (mean ± std) | vs BP |",
-           "|---|---|---|---|---|"]
+           f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->"]
+  held = (f"held-out {unit}: `auto` vs no remedy (seed {study.spec['selection_seed']}"
+          + (f", {study.spec['selection_epochs'] * summary['steps_per_epoch']} steps)"
+             if horizons else ")"))
+  if horizons:
+    longest = summary["horizons"][str(max(study.spec["horizons"]))]
+    rows = longest["rows"]
+    lines += [f"| schedule | {held} | chosen | test perplexity at {longest['bp_steps']} steps "
+              "with `auto` (vs BP) | with the chosen setting (vs BP) |", "|---|---|---|---|---|"]
+  else:
+    rows = summary["rows"]
+    lines += [f"| schedule | {held} | chosen | test {unit} (mean ± std) | vs BP |",
+              "|---|---|---|---|---|"]
   for schedule, candidates in study.spec["remedies"].items():
     autos = [n for n, r in candidates.items() if r == {"staleness": "auto"}]
     if not autos or schedule not in rows:
@@ -771,9 +782,17 @@ def auto_markdown(study: Study, summary: dict) -> str:
                f"{'more' if margin > se else 'not more'} than the standard error {diff(se)}")
     r = rows[schedule]
     chosen = f"lr ×{r['lr_mult']:g}" + (f", `{r['remedy']}`" if r["remedy"] else ", no remedy")
+    if not horizons:
+      test = f"{r['mean']:.2f} ± {r['std']:.2f} | {r['gap']:+.2f}"
+    else:
+      chosen += _auto_note(r.get("auto_set"))
+      ppl = lambda x: (f"{x['ppl']:.3f} ± {x['ppl_std']:.3f} ({100 * x['gap']:+.1f}%"
+                       + (f", {x['seeds'] - x['runs']} diverged)" if x["runs"] < x["seeds"]
+                          else ")"))
+      a = summary["auto"].get(schedule, r)  # auto chosen alone: its runs are the chosen ones
+      test = f"{ppl(a)}{_auto_note(a.get('auto_set'))} | {ppl(r)}"
     lines.append(f"| {schedule} | {show(study.score(auto))} vs {show(study.score(plain))}: "
-                 f"{verdict} | {chosen} | {r['mean']:.2f} ± {r['std']:.2f} | "
-                 f"{r['gap']:+.2f} |")
+                 f"{verdict} | {chosen} | {test} |")
   return "\n".join(lines)
 
 
@@ -848,8 +867,6 @@ def main(argv=None) -> int:
   summary = (summarise_horizons if horizons else summarise)(study, tests)
   text = (markdown_horizons if horizons else markdown)(args.part, summary, study.log)
   if args.auto_markdown:
-    if horizons:
-      raise SystemExit(f"error: --auto_markdown reads a part without horizons, not {args.part}")
     print(auto_markdown(study, summary))
     return 0
   print(text)

@@ -351,6 +351,21 @@ def test_gpt_horizons_overhead_and_auto_rows():
   ef = "(auto: error_feedback, staleness_strength 0.5)"
   assert f"| 6000 | FDG K=4 | lr ×0.5, auto & warmup 1/3 {ef} |" in text
   assert f"| 6000 | DDG K=4, `staleness=auto` | lr ×2, auto {ef} |" in text
+  # The README's auto table: held-out auto vs plain, and the test runs at the longest horizon.
+  table = ttq.auto_markdown(study, summary).splitlines()
+  assert "at 6000 steps with `auto`" in table[1] and len(table) == 6
+  ddg = next(line for line in table if line.startswith("| DDG K=4 |"))
+  held = (G_HELD["DDG K=4"][2.0] + G_HELD_REMEDY[("DDG K=4", "auto")], G_HELD["DDG K=4"][2.0])
+  auto_ppl = statistics_mean([math.exp(1.15 + 0.3 - 0.10 + 0.001 * s) for s in (0, 1)])
+  bp6 = statistics_mean([math.exp(1.20 - 0.10 + 0.001 * s) for s in (0, 1)])
+  plain_ppl = statistics_mean([math.exp(1.15 - 0.10 + 0.001 * s) for s in (0, 1)])
+  assert ddg.startswith(f"| DDG K=4 | {held[0]:.4f} vs {held[1]:.4f}: better by 0.0050, not "
+                        f"more than the standard error {GSE:.4f} | lr ×2, no remedy | ")
+  assert f"({100 * (auto_ppl / bp6 - 1):+.1f}%) {ef} |" in ddg
+  assert ddg.endswith(f"({100 * (plain_ppl / bp6 - 1):+.1f}%) |")
+  # FDG K=4 chose auto & warmup: the chosen column says what auto set there too.
+  fdg4 = next(line for line in table if line.startswith("| FDG K=4 |"))
+  assert "more than the standard error" in fdg4 and f"`auto & warmup 1/3` {ef} |" in fdg4
 
 
 def test_steps_to_fall_to_a_loss():
@@ -469,6 +484,14 @@ def test_the_gpt_long_docs_table_is_what_the_report_prints_from_the_committed_js
   table = _report("--markdown", part="gpt_long")
   assert table.startswith("<!-- time_to_quality gpt_long")
   assert table in DOCS.read_text(), "docs/staleness.md's gpt_long table differs from the report"
+
+
+@pytest.mark.skipif(not _gpt_long_complete(), reason="gpt_long's runs are not all recorded")
+def test_the_readme_gpt_auto_table_is_what_the_report_prints_from_the_committed_json():
+  table = _report("--auto_markdown", part="gpt_long")
+  assert table.startswith("<!-- time_to_quality gpt_long auto")
+  assert all(f"| {s} |" in table for s in ("DDG K=4", "FDG K=4", "FDG K=8"))
+  assert table in README.read_text(), "README's gpt_long auto table differs from the report"
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
