@@ -24,7 +24,8 @@ Protocol (successive halving; every choice on a held-out part of the training sp
 never on the split reported):
   1. screen: every optimiser at BP and FDG K=8, each lr multiplier of --lrs;
   2. the K=8 finalists (the --finalists optimisers with the best validation score at FDG K=8,
-     plus AdamW as the reference when screened): DDG K=4, FDG K=4 and DDG K=8 over the same lr grid; then
+     plus AdamW as the reference when screened): DDG K=4, FDG K=4 and DDG K=8 over the same lr
+     grid; then
      each remedy of REMEDIES at FDG K=4 and K=8 (and DDG K=8) at that cell's chosen lr;
   2b. (--settings) the optimiser settings of SETTINGS (b1, warm-up, a per-stage warm-up) on top
      of every finalist cell's choice, BP included, by forward selection: each round adds the

@@ -1,7 +1,8 @@
 """Accuracy parity of BP, DDG and FDG on the embedded digits data (the quick-start config).
 
     python benchmarks/parity.py                      # ~10 min on 2 CPU cores
-    python benchmarks/parity.py --plot_only          # redraw docs/results/parity.png from docs/results/parity.json
+    python benchmarks/parity.py --plot_only          # redraw docs/results/parity.png from
+                                                     # docs/results/parity.json
 
 Every run is `fdg_jax.trainer.train_and_evaluate` on `configs/default.py` (MLP 4x128, batch 32,
 SGD lr 0.05 momentum 0.5, cosine, 30 epochs, 4 CPU devices) with only the method changed, run

@@ -17,7 +17,8 @@ for each seed. Writes --out and prints markdown tables.
 --select_k8 picks a staleness remedy for the ViT at K=8 instead: each METHOD[:field=value,...]
 (config fields; staleness_ramp_epochs is -1 unless given) trains on 80% of the training split
 (--val_fraction, seed 0) and is scored on the rest, by final accuracy (ties: lower loss); the
-best then runs on the test split with each --test_seeds. Writes docs/results/workloads_k8_selection.json.
+best then runs on the test split with each --test_seeds. Writes
+docs/results/workloads_k8_selection.json.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def main(argv=None) -> int:
                            "docs/results/workloads_k8_selection.json)")
   args = parser.parse_args(argv)
   args.set = []
-  args.out = args.out or str(ROOT / "docs" / "results" / ("workloads_k8_selection.json" if args.select_k8
-                                              else "workloads.json"))
+  name = "workloads_k8_selection.json" if args.select_k8 else "workloads.json"
+  args.out = args.out or str(ROOT / "docs" / "results" / name)
   methods = [] if args.k8_only else list(METHODS)
   methods += [k8_row(args.k8_staleness)] if args.k8_staleness else []
   if not methods:

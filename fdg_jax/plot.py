@@ -96,7 +96,8 @@ def plot_telemetry(run_dirs, output: str) -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m fdg_jax.plot", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m fdg_jax.plot",
+                                   description=__doc__.split("\n")[0])
   parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
   parser.add_argument("-o", "--output", default="curves.png", help="image file to write")
   parser.add_argument("--telemetry", action="store_true",

@@ -259,7 +259,8 @@ def bench_result(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "all.json"
   args = bench.parse_args([
       "all", "--model_kwargs", '{"widths": [16, 16, 16]}', "--input_shape", "8", "8", "1",
-      "--batch_size", "8", "--stages", "1", "2", "--algorithms", "bp", "fdg", "1f1b", "--ticks", "2", "--repeats", "2",
+      "--batch_size", "8", "--stages", "1", "2", "--algorithms", "bp", "fdg", "1f1b",
+      "--ticks", "2", "--repeats", "2",
       "--dispatch_ticks", "3", "--presets", "mlp_digits", "--microbatches", "4",
       "--out", str(out)])
   bench.run(args)
@@ -381,7 +382,8 @@ def test_parity_smoke(tmp_path):
   out, png = tmp_path / "parity.json", tmp_path / "parity.png"
   rc = parity.main([
       "--seeds", "0", "--stages", "2", "--betas", "1.0", "0.5", "--side_lrs", "0.1",
-      "--side_betas", "1.0", "--side_stages", "2", "--set", "num_epochs=1", "--set", "batch_size=256",
+      "--side_betas", "1.0", "--side_stages", "2", "--set", "num_epochs=1",
+      "--set", "batch_size=256",
       "--set", "model_kwargs.widths=(8, 8)", "--workdir", str(tmp_path / "runs"),
       "--out", str(out), "--plot", str(png)])
   assert rc == 0

@@ -21,7 +21,8 @@ def _jpeg_imagenet(n=10, seed=0):
   rng = np.random.default_rng(seed)
   sizes = rng.integers(48, 97, (n, 2))
   jpegs = bench_data.synthetic_jpegs(sizes, rng)
-  return bench_data._JpegDataset(jpegs, rng.integers(0, 1000, n))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  return bench_data._JpegDataset(jpegs, rng.integers(0, 1000, n))
 
 
 def _list_imagenet(n=7, seed=1):

@@ -38,7 +38,8 @@ def test_the_config_reference_is_generated_from_the_config():
   import gen_configs
   assert (ROOT / "docs" / "configs.md").read_text() == gen_configs.render()
   documented = {name for _, name, _, _ in gen_configs.fields()}
-  spec = __import__("importlib.util").util.spec_from_file_location("cfg", ROOT / "configs/default.py")
+  spec = __import__("importlib.util").util.spec_from_file_location(
+      "cfg", ROOT / "configs/default.py")
   module = __import__("importlib.util").util.module_from_spec(spec)
   spec.loader.exec_module(module)
   assert documented == set(module.get_config().keys())
@@ -56,3 +57,18 @@ def test_the_staleness_headlines_are_what_the_study_prints_from_its_json(args):
   block = out.stdout.strip()
   assert block.startswith("<!-- python benchmarks/delay_robust.py") and "Headline:" in block
   assert block in (ROOT / "docs" / "staleness.md").read_text()
+
+
+# Lines that are data quoted as it is (a log line a test parses), not code or prose.
+LONG_DATA_LINES = {"tests/test_peers.py": {"SAMPLE_LOST_1"}}
+
+
+def test_python_lines_are_at_most_100_columns():
+  files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()
+  assert files
+  long = [f"{name}:{i}" for name in files
+          for i, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+          if len(line) > 100
+          and not any(line.startswith(d) for d in LONG_DATA_LINES.get(name, ()))]
+  assert not long, long

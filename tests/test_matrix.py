@@ -3,16 +3,17 @@
 Factors: algorithm x backward policy x engine (and the fused engine's gate) x `step` or
 `run` x message structure (one array, a tuple, a dict, a nested dict with a leaf of another
 dtype and shape) x model state (none, BatchNorm) x dropout x dtype (float32, bfloat16
-compute) x optimizer (SGD momentum, Adam, Muon, basis rotation, PipeNAG's NAdam) x staleness
-remedy (none, error feedback, PipeMare's discrepancy correction, weight prediction; each
-stage built by `staleness.stage_optimizer` for its delay) x shrinking. The full product has thousands of cases, so the cases are
-a covering selection, built by `covering_cases` below (deterministic, greedy): every pair of
-values of any two factors appears in at least one case, and every (algorithm, backward,
-engine) triple appears, since the engines hold a separate code path for each. Constraints:
-the SPMD engine runs FDG only, shrinking (beta < 1) is an FDG option, and the synchronous
-pipelines (GPipe with M = 2 micro-batches, 1F1B with M = 4) have no backward policy (they
-keep each micro-batch's vjp), no gate, and run on the fused and per-stage engines; their
-reference is `simulator.simulate_microbatched`, BP on the same batches cut into M.
+compute) x optimizer (SGD momentum, Adam, Muon, basis rotation, PipeNAG's NAdam) x
+staleness remedy (none, error feedback, PipeMare's discrepancy correction, weight
+prediction; each stage built by `staleness.stage_optimizer` for its delay) x shrinking. The
+full product has thousands of cases, so the cases are a covering selection, built by
+`covering_cases` below (deterministic, greedy): every pair of values of any two factors
+appears in at least one case, and every (algorithm, backward, engine) triple appears, since
+the engines hold a separate code path for each. Constraints: the SPMD engine runs FDG only,
+shrinking (beta < 1) is an FDG option, and the synchronous pipelines (GPipe with M = 2
+micro-batches, 1F1B with M = 4) have no backward policy (they keep each micro-batch's vjp),
+no gate, and run on the fused and per-stage engines; their reference is
+`simulator.simulate_microbatched`, BP on the same batches cut into M.
 
 Every case runs 9 ticks of a 3-stage model and compares the parameters, model states and the
 per-tick `updated` trace with `simulator.simulate`, fed the same stage functions (wrapped in

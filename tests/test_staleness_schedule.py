@@ -26,7 +26,8 @@ def stage_opts(method, algorithm, K, lr=0.05, momentum=0.9):
           for k in range(K)]
 
 
-CASES = [("weight_prediction", "fdg", "stash", "step"), ("weight_prediction", "ddg", "recompute", "run"),
+CASES = [("weight_prediction", "fdg", "stash", "step"),
+         ("weight_prediction", "ddg", "recompute", "run"),
          ("dc", "fdg", "stash", "run"), ("dc", "ddg", "stash", "step"),
          ("nesterov_delay", "fdg", "recompute", "step"), ("nesterov_delay", "ddg", "stash", "run"),
          ("spike_compensation", "fdg", "stash", "run"), ("lr_by_delay", "fdg", "recompute", "step")]

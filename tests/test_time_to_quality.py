@@ -251,7 +251,8 @@ G_EXPECTED = {"BP": {"lr_mult": 1.0, "remedy": None},
 # The test surface prefers other choices everywhere: (schedule, mult, remedy) -> final loss
 # at the selection horizon; longer runs end lower.
 G_TEST = {"BP": {0.5: 1.10, 1.0: 1.20, 2.0: 1.30}, "DDG K=4": {1.0: 1.20, 2.0: 1.15, 4.0: 1.10},
-          "FDG K=4": {0.25: 1.20, 0.5: 1.50, 1.0: 1.25}, "FDG K=8": {0.5: 1.30, 1.0: 1.60, 2.0: 1.4}}
+          "FDG K=4": {0.25: 1.20, 0.5: 1.50, 1.0: 1.25},
+          "FDG K=8": {0.5: 1.30, 1.0: 1.60, 2.0: 1.4}}
 
 
 def _gpt_schedule_and_remedy(f):
