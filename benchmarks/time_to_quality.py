@@ -339,14 +339,14 @@ class Study:
     return r
 
   def stale_auto(self) -> list[str]:
-    """The part's records of staleness=auto runs made under another auto table than the
-    library's now (what they set differs from what auto sets now for the same fields)."""
+    """The part's records of staleness=auto runs that trained other fields than the same
+    task would train now (made under another auto table than the library's now)."""
     if self._stale is None:
       self._stale = [
           r.get("what", r["key"]) for r in self.records.values()
           if r.get("protocol_sha256") == self.sha and r["fields"].get("staleness") == "auto"
-          and r.get("auto_resolved") != auto_resolution({"config": self.spec["config"],
-                                                         "fields": r["fields"]})]
+          and trained_fields(r["fields"], r) != {**r["fields"], **auto_resolution(
+              {"config": self.spec["config"], "fields": r["fields"]})}]
     return self._stale
 
   def _train(self, tasks: list[dict]) -> None:
