@@ -657,7 +657,8 @@ def summarise_horizons(study: Study, tests: dict) -> dict:
                                  "lr_mult": study.chosen[schedule]["lr_mult"],
                                  "gap": mean / out["horizons"][longest]["bp_ppl"] - 1,
                                  "steps": int(key[5:]) * spe,
-                                 "auto_set": runs[0].get("auto_resolved")}
+                                 "auto_set": runs[0].get("auto_resolved"),
+                                 "stale": runs[0].get("what") in study.stale_auto()}
   return out
 
 
@@ -691,7 +692,8 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
       lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
                    f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
   for schedule, r in summary["auto"].items():
-    lines.append(f"| {r['steps']} | {schedule}, `staleness=auto` | lr ×{r['lr_mult']:g}, auto"
+    label = "`staleness=auto` as it was" if r.get("stale") else "`staleness=auto`"
+    lines.append(f"| {r['steps']} | {schedule}, {label} | lr ×{r['lr_mult']:g}, auto"
                  f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% "
                  "| – | – | – |")
   if log:

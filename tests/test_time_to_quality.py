@@ -354,6 +354,16 @@ def test_gpt_horizons_overhead_and_auto_rows():
   assert f"| 6000 | FDG K=4 | lr ×0.5, auto & warmup 1/3 {fdg4} |" in text
   ddg4 = "(auto: error_feedback+weight_prediction, staleness_strength 1)"
   assert f"| 6000 | DDG K=4, `staleness=auto` | lr ×2, auto {ddg4} |" in text
+  # A run of auto that trained other fields than auto sets now is labelled so.
+  runs = tests["DDG K=4"]["auto@4"]
+  for r in runs:
+    r["auto_resolved"] = {"staleness": "error_feedback", "staleness_strength": 0.5}
+  report = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
+  report.select()
+  text = ttq.markdown_horizons("gpt_long", ttq.summarise_horizons(report, report.test()),
+                               report.log)
+  assert ("| 6000 | DDG K=4, `staleness=auto` as it was | lr ×2, auto (auto: error_feedback, "
+          "staleness_strength 0.5) |") in text
 
 
 def _row(table: str, schedule: str) -> str:
