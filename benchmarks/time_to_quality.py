@@ -833,6 +833,38 @@ def runs_like(study: Study, split: str, target: dict) -> list[dict]:
   return sorted(found, key=lambda r: r["fields"]["seed"])
 
 
+def auto_check(study: Study, schedule: str, workroot: pathlib.Path) -> str:
+  """Trains the part's test task of `staleness=auto` at `schedule` (its chosen lr, the
+  shortest horizon, the first test seed) through the trainer with auto as it is now, and
+  compares it with the part's record that trained the same fields: one line."""
+  spec = study.spec
+  if "horizons" not in spec:
+    raise ProtocolError("--auto_check reads a part with horizons")
+  name = next((n for n, r in spec["remedies"].get(schedule, {}).items()
+               if r == {"staleness": "auto"}), None)
+  if name is None:
+    raise ProtocolError(f"the part tried no staleness=auto at {schedule!r}")
+  lr, h, seed = study.chosen[schedule]["lr_mult"], min(spec["horizons"]), spec["test_seeds"][0]
+  task = study.task("test", schedule, lr, name, seed, epochs=h)
+  now = auto_resolution(task)
+  same = [r for r in runs_like(study, "test", {**task["fields"], **now})
+          if r["fields"]["seed"] == seed]
+  if not same:
+    raise ProtocolError(f"the part has no test run of what auto sets now at {schedule} "
+                        f"({now}) at {h} epoch(s)")
+  workroot.mkdir(parents=True, exist_ok=True)
+  ran = _worker({**task, "workroot": str(workroot)})
+  ref = same[0]
+  equal = [c["test_loss"] for c in ran["curve"]] == [c["test_loss"] for c in ref["curve"]]
+  which = re.sub(r" seed \d+", "", ref["what"]).removeprefix(f"test {schedule} ")
+  from fdg_jax.optim import auto
+  return (f"{schedule}: staleness=auto ({auto.describe(ran['auto_resolved'])}) through the "
+          f"trainer, {h * text_steps_per_epoch(spec)} steps, seed {seed}: test loss "
+          f"{ran['test_loss']!r}; the "
+          f"part's run of the same fields ({which}): {ref['test_loss']!r}; every evaluation "
+          f"({len(ran['curve'])}) equal: {'yes' if equal else 'no'}")
+
+
 def auto_markdown_horizons(study: Study, summary: dict) -> str:
   """The README's table for a part with horizons: for each delayed schedule where the
   protocol tried `staleness=auto`, what auto sets *now* at the schedule's chosen rate, and the
@@ -914,11 +946,18 @@ def main(argv=None) -> int:
   parser.add_argument("--status", action="store_true",
                       help="where the part stands: choices so far and the next runs (trains "
                            "nothing, reads no test score)")
+  parser.add_argument("--auto_check", default="", metavar="SCHEDULE",
+                      help="train the part's staleness=auto test run at SCHEDULE (the "
+                           "shortest horizon, the first seed) with auto as it is now and "
+                           "compare it with the record of the same fields (writes no record)")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
   parser.add_argument("--out", default="")
   args = parser.parse_args(argv)
+  if args.auto_check and not args.report:
+    parser.error("--auto_check compares with the part's records, training no other run: "
+                 "add --report")
   protocol = load_protocol(args.protocol)
   if args.part not in protocol["parts"]:
     parser.error(f"unknown part {args.part!r}; the protocol has {list(protocol['parts'])}")
@@ -940,6 +979,9 @@ def main(argv=None) -> int:
   try:
     study = Study(protocol, args.part, runner, runner.records)
     study.select()
+    if args.auto_check:  # needs the choices and the one record it compares with
+      print(auto_check(study, args.auto_check, pathlib.Path(args.workdir) / "auto_check"))
+      return 0
     tests = study.test()
   except ProtocolError as e:
     raise SystemExit(f"error: {e}")

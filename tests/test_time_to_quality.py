@@ -592,3 +592,36 @@ def test_auto_sets_exactly_what_the_gpt_part_chose_on_held_out_data():
 
 def trained(record):
   return ttq.trained_fields(record["fields"], record)
+
+
+def test_auto_check_trains_auto_now_and_compares_with_the_run_of_the_same_fields(monkeypatch,
+                                                                                 tmp_path):
+  study, runner = _gpt_study()
+  study.select()
+  study.test()
+  # FDG K=4 chose auto & warmup 1/3 at x0.5: auto alone now trains the same fields.
+  ref = runner.records[study.task("test", "FDG K=4", 0.5, "auto & warmup 1/3", 0, epochs=1)[
+      "key"]]
+  trained = []
+
+  def worker(task):  # a deterministic trainer: the same fields give the same run
+    trained.append(task)
+    return {**ref, "auto_resolved": ttq.auto_resolution(task)}
+
+  monkeypatch.setattr(ttq, "_worker", worker)
+  line = ttq.auto_check(study, "FDG K=4", tmp_path)
+  assert len(trained) == 1 and trained[0]["fields"]["staleness"] == "auto"
+  assert trained[0]["fields"]["num_epochs"] == 1 and trained[0]["fields"]["seed"] == 0
+  assert trained[0]["key"] not in runner.records  # a run the part never made
+  assert line == ("FDG K=4: staleness=auto (error_feedback, staleness_strength 1, "
+                  "warmup_epochs 0.3333) through the trainer, 1500 steps, seed 0: test loss "
+                  f"{ref['test_loss']!r}; the part's run of the same fields (lr x0.5 auto & "
+                  f"warmup 1/3 1 epochs): {ref['test_loss']!r}; every evaluation (6) equal: yes")
+  # a run that ends elsewhere says so
+  monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "curve": [
+      {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
+  assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith("equal: no")
+  with pytest.raises(ttq.ProtocolError, match="no staleness=auto at 'BP'"):
+    ttq.auto_check(study, "BP", tmp_path)
+  with pytest.raises(ttq.ProtocolError, match="no test run of what auto sets now at FDG K=8"):
+    ttq.auto_check(study, "FDG K=8", tmp_path)
