@@ -118,6 +118,23 @@ def with_fields(base, **fields):
   return config
 
 
+def environment() -> dict:
+  """What a run's last bits depend on besides its config: the jax and jaxlib versions, the
+  CPU model and the cores the process may use (XLA on the CPU splits work by them)."""
+  import platform
+  import jax
+  import jaxlib
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+  except OSError:
+    pass
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "cpu": cpu, "cores": cores,
+          "backend": jax.default_backend()}
+
+
 def resumable_step(workdir: str, config) -> int | None:
   """The newest checkpoint's step of an interrupted run of exactly `config` in `workdir` (its
   config.json equal to `config`, with what `staleness=auto` sets, field for field), else None."""
@@ -178,6 +195,7 @@ def run_one(base, workroot: str, name: str, resume: bool = False, **fields) -> d
                                           "wall_time")})
           curve[-1].update({k: r[k] for k in ("step", "test_loss_se") if k in r})
   record["curve"] = curve
+  record["env"] = environment()
   print(f"  {name:40s} acc {record['test_accuracy']:.4f}  wall {record['wall_time']:6.1f} s"
         + ("  DIVERGED" if record["diverged"] else ""), flush=True)
   return record

@@ -551,6 +551,8 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_p
   assert trainer.auto_fields(ttq.with_fields(base, **fields))[0]  # auto sets something here
   whole = ttq.run_one(base, str(tmp_path / "whole"), "k", resume=True, **fields)
   assert "resumed_from_step" not in whole
+  import jax
+  assert whole["env"]["jax"] == jax.__version__ and whole["env"]["cores"] >= 1  # what it ran on
   # An interrupted run: the same config, its newest checkpoint not yet written.
   shutil.copytree(tmp_path / "whole" / "k", tmp_path / "cut" / "k")
   ckpts = tmp_path / "cut" / "k" / trainer.CHECKPOINT_DIR
