@@ -862,7 +862,16 @@ def auto_check(study: Study, schedule: str, workroot: pathlib.Path) -> str:
           f"trainer, {h * text_steps_per_epoch(spec)} steps, seed {seed}: test loss "
           f"{ran['test_loss']!r}; the "
           f"part's run of the same fields ({which}): {ref['test_loss']!r}; every evaluation "
-          f"({len(ran['curve'])}) equal: {'yes' if equal else 'no'}")
+          f"({len(ran['curve'])}) equal: {'yes' if equal else 'no'}"
+          + ("" if equal or ref.get("env") == ran.get("env") else
+             f" (the record ran on {_env(ref.get('env'))}, this run on {_env(ran.get('env'))})"))
+
+
+def _env(env: dict | None) -> str:
+  if not env:
+    return "a machine it does not name"
+  return (f"jax {env['jax']}, jaxlib {env['jaxlib']}, {env['cpu']}, {env['cores']} core(s), "
+          f"{env['backend']}")
 
 
 def auto_markdown_horizons(study: Study, summary: dict) -> str:

@@ -622,7 +622,13 @@ def test_auto_check_trains_auto_now_and_compares_with_the_run_of_the_same_fields
   # a run that ends elsewhere says so
   monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "curve": [
       {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
+  env = {"jax": "0.10.2", "jaxlib": "0.10.2", "cpu": "a CPU", "cores": 2, "backend": "cpu"}
   assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith("equal: no")
+  monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "env": env, "curve": [
+      {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
+  assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith(
+      "equal: no (the record ran on a machine it does not name, this run on jax 0.10.2, "
+      "jaxlib 0.10.2, a CPU, 2 core(s), cpu)")
   with pytest.raises(ttq.ProtocolError, match="no staleness=auto at 'BP'"):
     ttq.auto_check(study, "BP", tmp_path)
   with pytest.raises(ttq.ProtocolError, match="no test run of what auto sets now at FDG K=8"):
