@@ -81,6 +81,12 @@ def _config_and_fields(task: dict):
   return config, fields
 
 
+def _candidate(what: str) -> str:
+  """A run's candidate from its `what`: the schedule, lr and remedy, without the split,
+  seed or length ("held_out FDG K=4 lr x1 auto seed 0" -> "FDG K=4 lr x1 auto")."""
+  return re.sub(r" seed \d+| x?[\d.]+ epochs", "", what).split(" ", 1)[1]
+
+
 def trained_fields(fields: dict, record: dict) -> dict:
   """A run's config fields as it trained: staleness=auto replaced by what it set (the
   record's auto_resolved, over the task's fields, as the trainer's resolve_auto does)."""
@@ -350,16 +356,22 @@ class Study:
     return self._stale
 
   def _train(self, tasks: list[dict]) -> None:
-    """`run(tasks)`; a runner that trains must not add runs to a part whose auto runs were
-    made under another auto table (the part would hold two tables' runs under one name). A
-    report reads each record as what it ran (its auto_resolved)."""
+    """`run(tasks)`; a runner that trains refuses a batch that would add a run of a
+    staleness=auto candidate (schedule, lr, remedy) with records made under another auto
+    table than the library's now: one name would cover two tables' runs (and a test of auto
+    would not test the auto that was selected). Other batches run. A report reads each record
+    as what it ran."""
     trains = not isinstance(self._runner, (ReadOnly, Planner))
-    if trains and any(t["key"] not in self.records for t in tasks) and self.stale_auto():
-      stale = self.stale_auto()
-      raise ProtocolError(f"{len(stale)} staleness=auto record(s) of part {self.part!r}, "
-                          f"e.g. {stale[0]}, were made under another auto table than "
-                          "fdg_jax/optim/auto.py's now: adding runs would mix two tables; "
-                          "delete those records to rerun them")
+    if trains and self.stale_auto():
+      stale = {_candidate(w): w for w in self.stale_auto()}
+      mixing = [t["what"] for t in tasks if t["key"] not in self.records
+                and t["fields"].get("staleness") == "auto" and _candidate(t["what"]) in stale]
+      if mixing:
+        raise ProtocolError(
+            f"{len(mixing)} run(s) to add, e.g. {mixing[0]}, are of a staleness=auto "
+            f"candidate with records made under another auto table than "
+            f"fdg_jax/optim/auto.py's now (e.g. {stale[_candidate(mixing[0])]}): adding "
+            "them would mix two tables under one name; delete those records to rerun them")
     self._runner(tasks)
 
   def held_out(self, schedule, lr_mult, remedy=None) -> dict:

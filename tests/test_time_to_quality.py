@@ -490,10 +490,11 @@ def test_a_run_two_cells_share_is_planned_and_trained_once_shortest_first(tmp_pa
 
 def test_auto_runs_of_another_auto_table_are_reported_as_they_ran_but_never_extended():
   """The config key names "auto", not what it set: a record stores what auto set. A report
-  reads it as that; a study that would add runs to a part holding auto runs of another table
-  than auto's now refuses (one part, two tables under one name)."""
+  reads it as that; a study refuses to add a run of an auto candidate that has records of
+  another table than auto's now (one name, two tables), and adds any other run."""
   study, runner = _gpt_study()
   study.select()
+  study.test()
   task = study.task("held_out", "DDG K=4", 2.0, "auto", GPT["selection_seed"])
   record = runner.records[task["key"]]
   assert record["auto_resolved"] == ttq.auto_resolution(task) and record["auto_resolved"]
@@ -502,10 +503,22 @@ def test_auto_runs_of_another_auto_table_are_reported_as_they_ran_but_never_exte
   report = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
   assert report.select() == G_EXPECTED  # the held-out selection reads it as it ran
   assert report.stale_auto() == [task["what"]]
+  # A missing run of another candidate is trained; a batch with one of DDG K=4's auto is not.
+  bp = study.task("test", "BP", 1.0, None, 0, epochs=1)
+  del runner.records[bp["key"]]
   resumed = ttq.Study(_protocol(), "gpt_long", runner, runner.records)
-  resumed.select()  # nothing to add: fine
-  with pytest.raises(ttq.ProtocolError, match="1 staleness=auto record.*another auto table"):
-    resumed.test()  # the test runs are not all there: refused before training any
+  resumed.select()
+  resumed.test()
+  assert bp["key"] in runner.records
+  auto4 = study.task("test", "DDG K=4", 2.0, "auto", 1, epochs=4)
+  del runner.records[bp["key"]], runner.records[auto4["key"]]
+  runner.calls.clear()
+  resumed = ttq.Study(_protocol(), "gpt_long", runner, runner.records)
+  resumed.select()
+  with pytest.raises(ttq.ProtocolError, match="1 run.* DDG K=4 lr x2 auto seed 1 4 epochs.*"
+                                              "another auto table"):
+    resumed.test()
+  assert not [t for t in runner.calls if t["split"] == "test"]  # refused before training
   status = ttq.status(ttq.Study(_protocol(), "gpt_long", ttq.Planner(runner.records),
                                 runner.records))
   assert "1 staleness=auto record(s) made under another auto table" in status
