@@ -33,6 +33,7 @@ import json
 import math
 import multiprocessing
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -78,6 +79,21 @@ def _config_and_fields(task: dict):
         value["widths"] = tuple(value["widths"])
       config[key] = ml_collections.ConfigDict(value)
   return config, fields
+
+
+def _candidate(what: str) -> str:
+  """A run's candidate from its `what`: the schedule, lr and remedy, without the split,
+  seed or length ("held_out FDG K=4 lr x1 auto seed 0" -> "FDG K=4 lr x1 auto")."""
+  return re.sub(r" seed \d+| x?[\d.]+ epochs", "", what).split(" ", 1)[1]
+
+
+def trained_fields(fields: dict, record: dict) -> dict:
+  """A run's config fields as it trained: staleness=auto replaced by what it set (the
+  record's auto_resolved, over the task's fields, as the trainer's resolve_auto does)."""
+  out = dict(fields)
+  if out.get("staleness") == "auto":
+    out.update(record["auto_resolved"])
+  return out
 
 
 def auto_resolution(task: dict) -> dict | None:
@@ -241,6 +257,9 @@ def status(study: "Study") -> str:
   except Pending as e:
     pending = e.tasks
   phase = "selection" if len(study.chosen) < len(study.spec["schedules"]) else "test"
+  if study.stale_auto():
+    lines.append(f"  {len(study.stale_auto())} staleness=auto record(s) made under another auto "
+                 "table: the report reads them as what they ran; adding runs needs them rerun")
   for schedule, c in study.chosen.items():
     lines.append(f"  chosen {schedule}: lr x{c['lr_mult']:g}, {c['remedy'] or 'no remedy'}")
   lines += [f"  tie: {line}" for line in study.log]
@@ -269,10 +288,11 @@ class Study:
       raise ProtocolError(f"part {part!r} is not run under this protocol: "
                           f"{self.spec.get('status')}")
     self.sha = part_sha256(protocol, part)
-    self.run, self.records = run, records
+    self._runner, self.records = run, records
+    self.run = self._train
     self.chosen: dict[str, dict] = {}
     self.log: list[str] = []
-    self.auto_now: dict[str, dict | None] = {}  # what auto sets now, per task key
+    self._stale: list[str] | None = None
 
   # -- tasks --
   def fields(self, schedule: str, lr_mult: float, remedy: str | None, seed: int,
@@ -318,15 +338,41 @@ class Study:
       raise ProtocolError(f"the record of {task['what']} was made under another version of "
                           f"part {self.part!r} (protocol sha256 {r.get('protocol_sha256')!r},"
                           f" now {self.sha}); rerun the part")
-    if task["fields"].get("staleness") == "auto":  # it must match what auto sets now
-      if task["key"] not in self.auto_now:
-        self.auto_now[task["key"]] = auto_resolution(task)
-      now = self.auto_now[task["key"]]
-      if r.get("auto_resolved") != now:
-        raise ProtocolError(f"the record of {task['what']} ran staleness=auto as "
-                            f"{r.get('auto_resolved')}, and auto now sets {now} "
-                            "(fdg_jax/optim/auto.py changed): rerun those runs")
+    if task["fields"].get("staleness") == "auto":
+      if "auto_resolved" not in r:
+        raise ProtocolError(f"the record of {task['what']} ran staleness=auto and does not "
+                            "say what auto set: rerun it")
     return r
+
+  def stale_auto(self) -> list[str]:
+    """The part's records of staleness=auto runs that trained other fields than the same
+    task would train now (made under another auto table than the library's now)."""
+    if self._stale is None:
+      self._stale = [
+          r.get("what", r["key"]) for r in self.records.values()
+          if r.get("protocol_sha256") == self.sha and r["fields"].get("staleness") == "auto"
+          and trained_fields(r["fields"], r) != {**r["fields"], **auto_resolution(
+              {"config": self.spec["config"], "fields": r["fields"]})}]
+    return self._stale
+
+  def _train(self, tasks: list[dict]) -> None:
+    """`run(tasks)`; a runner that trains refuses a batch that would add a run of a
+    staleness=auto candidate (schedule, lr, remedy) with records made under another auto
+    table than the library's now: one name would cover two tables' runs (and a test of auto
+    would not test the auto that was selected). Other batches run. A report reads each record
+    as what it ran."""
+    trains = not isinstance(self._runner, (ReadOnly, Planner))
+    if trains and self.stale_auto():
+      stale = {_candidate(w): w for w in self.stale_auto()}
+      mixing = [t["what"] for t in tasks if t["key"] not in self.records
+                and t["fields"].get("staleness") == "auto" and _candidate(t["what"]) in stale]
+      if mixing:
+        raise ProtocolError(
+            f"{len(mixing)} run(s) to add, e.g. {mixing[0]}, are of a staleness=auto "
+            f"candidate with records made under another auto table than "
+            f"fdg_jax/optim/auto.py's now (e.g. {stale[_candidate(mixing[0])]}): adding "
+            "them would mix two tables under one name; delete those records to rerun them")
+    self._runner(tasks)
 
   def held_out(self, schedule, lr_mult, remedy=None) -> dict:
     return self.task("held_out", schedule, lr_mult, remedy, self.spec["selection_seed"])
@@ -623,7 +669,8 @@ def summarise_horizons(study: Study, tests: dict) -> dict:
                                  "lr_mult": study.chosen[schedule]["lr_mult"],
                                  "gap": mean / out["horizons"][longest]["bp_ppl"] - 1,
                                  "steps": int(key[5:]) * spe,
-                                 "auto_set": runs[0].get("auto_resolved")}
+                                 "auto_set": runs[0].get("auto_resolved"),
+                                 "stale": runs[0].get("what") in study.stale_auto()}
   return out
 
 
@@ -657,7 +704,8 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
       lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
                    f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
   for schedule, r in summary["auto"].items():
-    lines.append(f"| {r['steps']} | {schedule}, `staleness=auto` | lr ×{r['lr_mult']:g}, auto"
+    label = "`staleness=auto` as it was" if r.get("stale") else "`staleness=auto`"
+    lines.append(f"| {r['steps']} | {schedule}, {label} | lr ×{r['lr_mult']:g}, auto"
                  f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% "
                  "| – | – | – |")
   if log:
@@ -746,53 +794,141 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
   return "\n".join(lines)
 
 
+def _auto_header(study: Study) -> str:
+  return (f"<!-- time_to_quality {study.part} auto: written by `python "
+          f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->")
+
+
 def auto_markdown(study: Study, summary: dict) -> str:
   """What `staleness=auto` gave in the part, for the README: for each schedule where the
   protocol tried it, its held-out score against no remedy (at the schedule's chosen rate)
-  and the test runs: those the choice led to, with or without it, and (a part with horizons)
-  the runs of `auto` itself at the longest horizon beside the chosen setting's."""
-  horizons = "horizons" in study.spec
-  unit = "loss" if study.by_loss else "accuracy %"
-  # a score (higher is better: minus a loss, or an accuracy) and a difference of two, as shown
-  diff = (lambda v: f"{v:.4f}") if study.by_loss else (lambda v: f"{100 * v:.2f}")
-  show = (lambda v: diff(-v)) if study.by_loss else diff
-  lines = [f"<!-- time_to_quality {study.part} auto: written by `python "
-           f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->"]
-  held = (f"held-out {unit}: `auto` vs no remedy (seed {study.spec['selection_seed']}"
-          + (f", {study.spec['selection_epochs'] * summary['steps_per_epoch']} steps)"
-             if horizons else ")"))
-  if horizons:
-    longest = summary["horizons"][str(max(study.spec["horizons"]))]
-    rows = longest["rows"]
-    lines += [f"| schedule | {held} | chosen | test perplexity at {longest['bp_steps']} steps "
-              "with `auto` (vs BP) | with the chosen setting (vs BP) |", "|---|---|---|---|---|"]
-  else:
-    rows = summary["rows"]
-    lines += [f"| schedule | {held} | chosen | test {unit} (mean ± std) | vs BP |",
-              "|---|---|---|---|---|"]
+  and the test runs that the choice led to, with or without it. Refused when auto now sets
+  something else than those runs did. A part with horizons: `auto_markdown_horizons`."""
+  if "horizons" in study.spec:
+    return auto_markdown_horizons(study, summary)
+  rows = summary["rows"]
+  lines = [_auto_header(study),
+           f"| schedule | held-out accuracy %: `auto` vs no remedy (seed "
+           f"{study.spec['selection_seed']}) | chosen | test accuracy % (mean ± std) | vs BP |",
+           "|---|---|---|---|---|"]
   for schedule, candidates in study.spec["remedies"].items():
     autos = [n for n, r in candidates.items() if r == {"staleness": "auto"}]
     if not autos or schedule not in rows:
       continue
     lr = study.chosen[schedule]["lr_mult"]
     plain = study.record(study.held_out(schedule, lr))
-    auto = study.record(study.held_out(schedule, lr, autos[0]))
+    task = study.held_out(schedule, lr, autos[0])
+    auto = study.record(task)
+    if auto["auto_resolved"] != auto_resolution(task):
+      raise ProtocolError(f"auto now sets {auto_resolution(task)} at {schedule}, not what the "
+                          f"part's runs of it set ({auto['auto_resolved']}): rerun them")
     margin, se = study.score(auto) - study.score(plain), study.standard_error(plain)
-    verdict = (f"{'better' if margin > 0 else 'worse'} by {diff(abs(margin))}, "
-               f"{'more' if margin > se else 'not more'} than the standard error {diff(se)}")
+    verdict = (f"{'better' if margin > 0 else 'worse'} by {100 * abs(margin):.2f}, "
+               f"{'more' if margin > se else 'not more'} than the standard error "
+               f"{100 * se:.2f}")
     r = rows[schedule]
     chosen = f"lr ×{r['lr_mult']:g}" + (f", `{r['remedy']}`" if r["remedy"] else ", no remedy")
-    if not horizons:
-      test = f"{r['mean']:.2f} ± {r['std']:.2f} | {r['gap']:+.2f}"
-    else:
-      chosen += _auto_note(r.get("auto_set"))
-      ppl = lambda x: (f"{x['ppl']:.3f} ± {x['ppl_std']:.3f} ({100 * x['gap']:+.1f}%"
-                       + (f", {x['seeds'] - x['runs']} diverged)" if x["runs"] < x["seeds"]
-                          else ")"))
-      a = summary["auto"].get(schedule, r)  # auto chosen alone: its runs are the chosen ones
-      test = f"{ppl(a)}{_auto_note(a.get('auto_set'))} | {ppl(r)}"
-    lines.append(f"| {schedule} | {show(study.score(auto))} vs {show(study.score(plain))}: "
-                 f"{verdict} | {chosen} | {test} |")
+    lines.append(f"| {schedule} | {100 * study.score(auto):.2f} vs "
+                 f"{100 * study.score(plain):.2f}: {verdict} | {chosen} | "
+                 f"{r['mean']:.2f} ± {r['std']:.2f} | {r['gap']:+.2f} |")
+  return "\n".join(lines)
+
+
+def runs_like(study: Study, split: str, target: dict) -> list[dict]:
+  """The part's records of `split` that trained exactly the fields `target` (a task's fields
+  with what auto sets applied), whatever their candidates' names, one per seed."""
+  strip = lambda f: {k: v for k, v in f.items() if k != "seed"}
+  want = strip(target)
+  found = [r for r in study.records.values()
+           if r.get("protocol_sha256") == study.sha and r["split"] == split
+           and strip(trained_fields(r["fields"], r)) == want]
+  return sorted(found, key=lambda r: r["fields"]["seed"])
+
+
+def auto_check(study: Study, schedule: str, workroot: pathlib.Path) -> str:
+  """Trains the part's test task of `staleness=auto` at `schedule` (its chosen lr, the
+  shortest horizon, the first test seed) through the trainer with auto as it is now, and
+  compares it with the part's record that trained the same fields: one line."""
+  spec = study.spec
+  if "horizons" not in spec:
+    raise ProtocolError("--auto_check reads a part with horizons")
+  name = next((n for n, r in spec["remedies"].get(schedule, {}).items()
+               if r == {"staleness": "auto"}), None)
+  if name is None:
+    raise ProtocolError(f"the part tried no staleness=auto at {schedule!r}")
+  lr, h, seed = study.chosen[schedule]["lr_mult"], min(spec["horizons"]), spec["test_seeds"][0]
+  task = study.task("test", schedule, lr, name, seed, epochs=h)
+  now = auto_resolution(task)
+  same = [r for r in runs_like(study, "test", {**task["fields"], **now})
+          if r["fields"]["seed"] == seed]
+  if not same:
+    raise ProtocolError(f"the part has no test run of what auto sets now at {schedule} "
+                        f"({now}) at {h} epoch(s)")
+  workroot.mkdir(parents=True, exist_ok=True)
+  ran = _worker({**task, "workroot": str(workroot)})
+  ref = same[0]
+  equal = [c["test_loss"] for c in ran["curve"]] == [c["test_loss"] for c in ref["curve"]]
+  which = re.sub(r" seed \d+", "", ref["what"]).removeprefix(f"test {schedule} ")
+  from fdg_jax.optim import auto
+  return (f"{schedule}: staleness=auto ({auto.describe(ran['auto_resolved'])}) through the "
+          f"trainer, {h * text_steps_per_epoch(spec)} steps, seed {seed}: test loss "
+          f"{ran['test_loss']!r}; the "
+          f"part's run of the same fields ({which}): {ref['test_loss']!r}; every evaluation "
+          f"({len(ran['curve'])}) equal: {'yes' if equal else 'no'}"
+          + ("" if equal or ref.get("env") == ran.get("env") else
+             f" (the record ran on {_env(ref.get('env'))}, this run on {_env(ran.get('env'))})"))
+
+
+def _env(env: dict | None) -> str:
+  if not env:
+    return "a machine it does not name"
+  return (f"jax {env['jax']}, jaxlib {env['jaxlib']}, {env['cpu']}, {env['cores']} core(s), "
+          f"{env['backend']}")
+
+
+def auto_markdown_horizons(study: Study, summary: dict) -> str:
+  """The README's table for a part with horizons: for each delayed schedule where the
+  protocol tried `staleness=auto`, what auto sets *now* at the schedule's chosen rate, and the
+  part's runs that trained exactly that (whatever the candidate was called when it ran): its
+  held-out loss against no remedy, and its test perplexity at the longest horizon against
+  BP's. Where the part never ran what auto now sets, the row says so."""
+  spec, spe = study.spec, summary["steps_per_epoch"]
+  h = max(spec["horizons"])
+  longest = summary["horizons"][str(h)]
+  lines = [_auto_header(study),
+           f"| schedule | `staleness=auto` sets (the study's lr) | held-out loss at "
+           f"{spec['selection_epochs'] * spe} steps: that vs no remedy (seed "
+           f"{spec['selection_seed']}) | test perplexity at {h * spe} steps (mean ± std), vs "
+           "BP | the part's runs of it |", "|---|---|---|---|---|"]
+  for schedule, candidates in spec["remedies"].items():
+    if {"staleness": "auto"} not in candidates.values() or schedule not in longest["rows"]:
+      continue
+    name = next(n for n, r in candidates.items() if r == {"staleness": "auto"})
+    lr = study.chosen[schedule]["lr_mult"]
+    held_task, test_task = (study.held_out(schedule, lr, name),
+                            study.task("test", schedule, lr, name, spec["test_seeds"][0],
+                                       epochs=h))
+    now = auto_resolution(test_task)
+    from fdg_jax.optim import auto as auto_lib
+    sets = f"lr ×{lr:g}, {auto_lib.describe(now)}"
+    held = runs_like(study, "held_out", {**held_task["fields"],
+                                         **auto_resolution(held_task)})
+    test = runs_like(study, "test", {**test_task["fields"], **now})
+    if not held or len(test) < len(spec["test_seeds"]):
+      lines.append(f"| {schedule} | {sets} | not run in this part | – | – |")
+      continue
+    plain = study.record(study.held_out(schedule, lr))
+    margin = study.score(held[0]) - study.score(plain)
+    se = study.standard_error(plain)
+    verdict = (f"{held[0]['test_loss']:.4f} vs {plain['test_loss']:.4f}: "
+               f"{'better' if margin > 0 else 'worse'} by {abs(margin):.4f}, "
+               f"{'more' if margin > se else 'not more'} than the standard error {se:.4f}")
+    mean, std, n = _ppl(test)
+    gap = mean / longest["bp_ppl"] - 1
+    which = re.sub(r" seed \d+", "", test[0]["what"]).removeprefix(f"test {schedule} ")
+    lines.append(f"| {schedule} | {sets} | {verdict} | {mean:.3f} ± {std:.3f}"
+                 + (f" ({len(test) - n} diverged)" if n < len(test) else "")
+                 + f", {100 * gap:+.1f}% | {which} |")
   return "\n".join(lines)
 
 
@@ -831,11 +967,18 @@ def main(argv=None) -> int:
   parser.add_argument("--status", action="store_true",
                       help="where the part stands: choices so far and the next runs (trains "
                            "nothing, reads no test score)")
+  parser.add_argument("--auto_check", default="", metavar="SCHEDULE",
+                      help="train the part's staleness=auto test run at SCHEDULE (the "
+                           "shortest horizon, the first seed) with auto as it is now and "
+                           "compare it with the record of the same fields (writes no record)")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
   parser.add_argument("--out", default="")
   args = parser.parse_args(argv)
+  if args.auto_check and not args.report:
+    parser.error("--auto_check compares with the part's records, training no other run: "
+                 "add --report")
   protocol = load_protocol(args.protocol)
   if args.part not in protocol["parts"]:
     parser.error(f"unknown part {args.part!r}; the protocol has {list(protocol['parts'])}")
@@ -857,6 +1000,9 @@ def main(argv=None) -> int:
   try:
     study = Study(protocol, args.part, runner, runner.records)
     study.select()
+    if args.auto_check:  # needs the choices and the one record it compares with
+      print(auto_check(study, args.auto_check, pathlib.Path(args.workdir) / "auto_check"))
+      return 0
     tests = study.test()
   except ProtocolError as e:
     raise SystemExit(f"error: {e}")

@@ -16,18 +16,22 @@ from test_trainer import _params_equal, read_metrics, tiny_config
 NONE = {"staleness": "none"}
 EF_HALF = {"staleness": "error_feedback", "staleness_strength": 0.5}
 EF_ONE = {"staleness": "error_feedback", "staleness_strength": 1.0}
-ROTATED_EF = {**EF_HALF, "optimizer": "basis_rotation"}
+E = 3  # the run's epochs: the GPT's choices at FDG set a warm-up of a third of them
+WARM = {"warmup_epochs": 0.3333 * E}
+ADAM_DDG4 = {"staleness": "error_feedback+weight_prediction", "staleness_strength": 1.0}
+ADAM_FDG4, ADAM_FDG8 = {**EF_ONE, **WARM}, {**EF_HALF, **WARM}
+ROT = {"optimizer": "basis_rotation"}
 ROTATED_ONLY = {"staleness": "none", "optimizer": "basis_rotation"}
 SPIKE = {"staleness": "spike_compensation+weight_prediction"}
 NAG = {"staleness": "nesterov_delay", "nesterov_gamma": 0.9}
 
 
 def fields(optimizer, algorithm, K, **kw):
-  return staleness.recommend(optimizer, algorithm, num_stages=K, **kw)[0]
+  return staleness.recommend(optimizer, algorithm, num_stages=K, num_epochs=E, **kw)[0]
 
 
 def line(optimizer, algorithm, K, **kw):
-  out = staleness.recommend(optimizer, algorithm, num_stages=K, **kw)[1]
+  out = staleness.recommend(optimizer, algorithm, num_stages=K, num_epochs=E, **kw)[1]
   assert "\n" not in out and out.startswith("staleness=auto: ")
   return out
 
@@ -75,8 +79,9 @@ def test_sgd_lines_name_the_studied_cell():
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "nadam_warmup"])
 @pytest.mark.parametrize("algorithm,K,expected", [
-    ("fdg", 4, ROTATED_EF), ("fdg", 8, ROTATED_EF), ("fdg", 6, ROTATED_EF),
-    ("ddg", 4, ROTATED_EF), ("ddg", 8, ROTATED_ONLY), ("ddg", 7, ROTATED_ONLY),
+    ("fdg", 4, {**ADAM_FDG4, **ROT}), ("fdg", 8, {**ADAM_FDG8, **ROT}),
+    ("fdg", 6, ROTATED_ONLY), ("ddg", 4, {**ADAM_DDG4, **ROT}), ("ddg", 8, ROTATED_ONLY),
+    ("ddg", 7, ROTATED_ONLY),
     ("bp", 1, ROTATED_ONLY), ("bp", 4, ROTATED_ONLY), ("gpipe", 4, ROTATED_ONLY),
     ("1f1b", 2, ROTATED_ONLY), ("ddg", 1, ROTATED_ONLY),
     ("fdg", 2, NONE), ("fdg", 3, NONE), ("ddg", 12, NONE), ("fdg", 16, NONE)])
@@ -86,8 +91,16 @@ def test_adam_family_per_schedule_and_K(optimizer, algorithm, K, expected):
 
 def test_adam_family_lines_and_what_blocks_the_switch():
   assert line("adamw", "fdg", 4) == (
-      "staleness=auto: error_feedback, staleness_strength 0.5; optimizer adamw -> "
-      "basis_rotation (the study's choice for the Adam family at FDG K=4)")
+      "staleness=auto: error_feedback, staleness_strength 1, warmup_epochs 0.9999; optimizer "
+      "adamw -> basis_rotation (warm-up 0.3333 x num_epochs 3; the study's choice for the Adam "
+      "family at FDG K=4)")
+  assert line("adamw", "ddg", 4) == (
+      "staleness=auto: error_feedback+weight_prediction, staleness_strength 1; optimizer "
+      "adamw -> basis_rotation (the study's choice for the Adam family at DDG K=4)")
+  assert line("adamw", "fdg", 6) == (
+      "staleness=auto: none (no remedy common to the study's FDG K=4 and K=8); optimizer "
+      "adamw -> basis_rotation (the study's choice for the Adam family at both FDG K=4 and "
+      "K=8)")
   assert line("adamw", "ddg", 8) == (
       "staleness=auto: none (no remedy tried for the Adam family at DDG K=8); optimizer "
       "adamw -> basis_rotation (the study's choice for the Adam family at DDG K=8)")
@@ -97,12 +110,18 @@ def test_adam_family_lines_and_what_blocks_the_switch():
   assert line("adamw", "fdg", 2) == (
       "staleness=auto: none (FDG K=2 not studied for the Adam family; it ran K = 4 and 8)")
   # already rotated Adam: the remedy alone
-  assert fields("basis_rotation", "fdg", 8) == EF_HALF
-  assert fields("basis_rotation", "ddg", 4) == EF_HALF
+  assert fields("basis_rotation", "fdg", 8) == ADAM_FDG8
+  assert fields("basis_rotation", "ddg", 4) == ADAM_DDG4
+  assert line("basis_rotation", "fdg", 8) == (
+      "staleness=auto: error_feedback, staleness_strength 0.5, warmup_epochs 0.9999 (warm-up "
+      "0.3333 x num_epochs 3; the study's choice for the Adam family at FDG K=8)")
+  # the warm-up is a fraction of the run: without the run's epochs, no answer
+  with pytest.raises(ValueError, match="num_epochs"):
+    staleness.recommend("adamw", "fdg", num_stages=4)
   assert fields("basis_rotation", "ddg", 8) == NONE
   assert fields("basis_rotation", "bp", 1) == NONE
   # the settings rotated Adam takes carry over; one it lacks stops the switch and the remedy
-  assert fields("adamw", "fdg", 4, hparams=("b1", "b2", "eps")) == ROTATED_EF
+  assert fields("adamw", "fdg", 4, hparams=("b1", "b2", "eps")) == {**ADAM_FDG4, **ROT}
   assert fields("adamw", "fdg", 4, hparams=("b1", "eps_root")) == NONE
   assert fields("nadam_warmup", "bp", 1, hparams=("momentum_decay",)) == NONE
   assert line("adamw", "fdg", 4, hparams=("eps_root",)) == (
@@ -158,8 +177,9 @@ def test_auto_adamw_is_rotated_adam_with_error_feedback(tmp_path, capsys):
   auto = trainer.train_and_evaluate(c, str(tmp_path / "auto"))
   out = [l for l in capsys.readouterr().out.splitlines() if "staleness=auto" in l]
   assert len(out) == 1
-  head = ("staleness=auto: error_feedback, staleness_strength 0.5; optimizer adamw -> "
-          "basis_rotation (the study's choice for the Adam family at FDG K=4); ")
+  head = ("staleness=auto: error_feedback, staleness_strength 1, warmup_epochs 0.3333; "
+          "optimizer adamw -> basis_rotation (warm-up 0.3333 x num_epochs 1; the study's "
+          "choice for the Adam family at FDG K=4); ")
   assert head in out[0]
   m = re.search(r"basis_rotation's state ([\d.]+) KiB against adamw's ([\d.]+) KiB for this "
                 r"model's ([\d.]+) KiB of parameters \(\+([\d.]+) KiB, ([\d.]+)x\)$", out[0])
@@ -175,9 +195,10 @@ def test_auto_adamw_is_rotated_adam_with_error_feedback(tmp_path, capsys):
   assert float(m.group(5)) == pytest.approx(new / old, abs=0.01)
   assert new / old > 2  # rotated Adam's bases and statistics on top of Adam's two moments
   saved = json.load(open(tmp_path / "auto" / "config.json"))
-  assert (saved["optimizer"], saved["staleness"], saved["staleness_strength"]) == (
-      "basis_rotation", "error_feedback", 0.5)
-  c.staleness, c.optimizer, c.staleness_strength = "error_feedback", "basis_rotation", 0.5
+  assert (saved["optimizer"], saved["staleness"], saved["staleness_strength"],
+          saved["warmup_epochs"]) == ("basis_rotation", "error_feedback", 1.0, 0.3333)
+  c.staleness, c.optimizer, c.staleness_strength = "error_feedback", "basis_rotation", 1.0
+  c.warmup_epochs = 0.3333
   explicit = trainer.train_and_evaluate(c, str(tmp_path / "explicit"))
   assert _params_equal(auto["params"], explicit["params"])
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -95,7 +96,7 @@ class FakeRunner:
       self.records[t["key"]] = {"key": t["key"], "diverged": False, "test_accuracy": final,
                                 "test_loss": 1.0, "curve": curve, "split": t["split"],
                                 "fields": t["fields"], "protocol_sha256": t["protocol_sha256"],
-                                **_auto(t)}
+                                "what": t["what"], **_auto(t)}
 
 
 def _study(protocol=None, runner=None):
@@ -292,7 +293,7 @@ class FakeLossRunner(FakeRunner):
                for s in range(250, steps + 1, 250)]
       self.records[t["key"]] = {"key": t["key"], "diverged": False, "test_accuracy": 0.0,
                                 "test_loss": final, "test_loss_se": GSE, "curve": curve,
-                                "split": t["split"], "fields": f,
+                                "split": t["split"], "fields": f, "what": t["what"],
                                 "protocol_sha256": t["protocol_sha256"], **_auto(t)}
 
 
@@ -349,24 +350,61 @@ def test_gpt_horizons_overhead_and_auto_rows():
   text = ttq.markdown_horizons("gpt_long", summary, study.log)
   assert "| 3000 | DDG K=4 | lr ×2 |" in text and "`staleness=auto`" in text
   # What auto set, from the records: in the chosen column and in the auto rows.
-  ef = "(auto: error_feedback, staleness_strength 0.5)"
-  assert f"| 6000 | FDG K=4 | lr ×0.5, auto & warmup 1/3 {ef} |" in text
-  assert f"| 6000 | DDG K=4, `staleness=auto` | lr ×2, auto {ef} |" in text
-  # The README's auto table: held-out auto vs plain, and the test runs at the longest horizon.
-  table = ttq.auto_markdown(study, summary).splitlines()
-  assert "at 6000 steps with `auto`" in table[1] and len(table) == 6
-  ddg = next(line for line in table if line.startswith("| DDG K=4 |"))
-  held = (G_HELD["DDG K=4"][2.0] + G_HELD_REMEDY[("DDG K=4", "auto")], G_HELD["DDG K=4"][2.0])
-  auto_ppl = statistics_mean([math.exp(1.15 + 0.3 - 0.10 + 0.001 * s) for s in (0, 1)])
+  fdg4 = "(auto: error_feedback, staleness_strength 1, warmup_epochs 1.3332)"
+  assert f"| 6000 | FDG K=4 | lr ×0.5, auto & warmup 1/3 {fdg4} |" in text
+  ddg4 = "(auto: error_feedback+weight_prediction, staleness_strength 1)"
+  assert f"| 6000 | DDG K=4, `staleness=auto` | lr ×2, auto {ddg4} |" in text
+  # A run of auto that trained other fields than auto sets now is labelled so.
+  runs = tests["DDG K=4"]["auto@4"]
+  for r in runs:
+    r["auto_resolved"] = {"staleness": "error_feedback", "staleness_strength": 0.5}
+  report = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
+  report.select()
+  text = ttq.markdown_horizons("gpt_long", ttq.summarise_horizons(report, report.test()),
+                               report.log)
+  assert ("| 6000 | DDG K=4, `staleness=auto` as it was | lr ×2, auto (auto: error_feedback, "
+          "staleness_strength 0.5) |") in text
+
+
+def _row(table: str, schedule: str) -> str:
+  return next(line for line in table.splitlines() if line.startswith(f"| {schedule} |"))
+
+
+def test_the_readme_auto_rows_quote_the_runs_of_what_auto_sets_now(monkeypatch):
+  study, runner = _gpt_study()
+  study.select()
+  tests = study.test()
+  summary = ttq.summarise_horizons(study, tests)
   bp6 = statistics_mean([math.exp(1.20 - 0.10 + 0.001 * s) for s in (0, 1)])
-  plain_ppl = statistics_mean([math.exp(1.15 - 0.10 + 0.001 * s) for s in (0, 1)])
-  assert ddg.startswith(f"| DDG K=4 | {held[0]:.4f} vs {held[1]:.4f}: better by 0.0050, not "
-                        f"more than the standard error {GSE:.4f} | lr ×2, no remedy | ")
-  assert f"({100 * (auto_ppl / bp6 - 1):+.1f}%) {ef} |" in ddg
-  assert ddg.endswith(f"({100 * (plain_ppl / bp6 - 1):+.1f}%) |")
-  # FDG K=4 chose auto & warmup: the chosen column says what auto set there too.
-  fdg4 = next(line for line in table if line.startswith("| FDG K=4 |"))
-  assert "more than the standard error" in fdg4 and f"`auto & warmup 1/3` {ef} |" in fdg4
+  # As the fake's records were made: each auto run matches itself. DDG K=4 (plain chosen):
+  # its auto runs, held-out (1.30 - 0.005) and at 6,000 steps (1.15 + 0.3 - 0.10 + seed).
+  table = ttq.auto_markdown(study, summary)
+  assert "| test perplexity at 6000 steps" in table.splitlines()[1]
+  ddg = _row(table, "DDG K=4")
+  ppl = statistics_mean([math.exp(1.35 + 0.001 * s) for s in (0, 1)])
+  assert ddg.startswith("| DDG K=4 | lr ×2, error_feedback+weight_prediction, "
+                        "staleness_strength 1 | 1.2950 vs 1.3000: better by 0.0050, not more "
+                        "than the standard error 0.0100 | ")
+  assert ddg.endswith(f", {100 * (ppl / bp6 - 1):+.1f}% | lr x2 auto 4 epochs |")
+  # auto's table changed since: the rows quote whichever runs trained what it sets now, or
+  # say the part never ran it.
+  now = {("ddg", 4): {"staleness": "dc"},
+         ("fdg", 4): {"staleness": "dc"},
+         ("fdg", 8): {"staleness": "error_feedback", "staleness_strength": 1.0}}
+  monkeypatch.setattr(ttq, "auto_resolution", lambda task: now[
+      task["fields"]["algorithm"], task["fields"]["num_stages"]])
+  report = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
+  report.select()
+  table = ttq.auto_markdown(report, ttq.summarise_horizons(report, report.test()))
+  assert _row(table, "DDG K=4") == "| DDG K=4 | lr ×2, dc | not run in this part | – | – |"
+  assert "not run in this part" in _row(table, "FDG K=4")
+  fdg8 = _row(table, "FDG K=8")  # the chosen error_feedback 1 runs (1.60 + 0.3 - 0.10)
+  ppl = statistics_mean([math.exp(1.80 + 0.001 * s) for s in (0, 1)])
+  std = statistics.stdev([math.exp(1.80 + 0.001 * s) for s in (0, 1)])
+  assert fdg8 == (f"| FDG K=8 | lr ×1, error_feedback, staleness_strength 1 | 1.4500 vs "
+                  f"1.5500: better by 0.1000, more than the standard error 0.0100 | "
+                  f"{ppl:.3f} ± {std:.3f}, "
+                  f"{100 * (ppl / bp6 - 1):+.1f}% | lr x1 error_feedback 1 4 epochs |")
 
 
 def test_steps_to_fall_to_a_loss():
@@ -450,21 +488,42 @@ def test_a_run_two_cells_share_is_planned_and_trained_once_shortest_first(tmp_pa
   assert set(json.loads(out.read_text())["records"]) == set(keys)
 
 
-def test_a_record_of_auto_made_under_another_auto_table_is_refused():
-  """The config key names "auto", not what it set: a record stores what auto set, and one
-  whose auto differs from the library's table now is refused (as another protocol version)."""
+def test_auto_runs_of_another_auto_table_are_reported_as_they_ran_but_never_extended():
+  """The config key names "auto", not what it set: a record stores what auto set. A report
+  reads it as that; a study refuses to add a run of an auto candidate that has records of
+  another table than auto's now (one name, two tables), and adds any other run."""
   study, runner = _gpt_study()
   study.select()
+  study.test()
   task = study.task("held_out", "DDG K=4", 2.0, "auto", GPT["selection_seed"])
   record = runner.records[task["key"]]
-  assert record["auto_resolved"] == {"staleness": "error_feedback", "staleness_strength": 0.5}
-  study.record(task)  # as the table stands: accepted
-  record["auto_resolved"] = {"staleness": "error_feedback", "staleness_strength": 1.0}
-  fresh = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
-  with pytest.raises(ttq.ProtocolError, match="auto now sets"):
-    fresh.select()
-  del record["auto_resolved"]  # a record that does not say what auto set: refused too
-  with pytest.raises(ttq.ProtocolError, match="ran staleness=auto as None"):
+  assert record["auto_resolved"] == ttq.auto_resolution(task) and record["auto_resolved"]
+  assert not study.stale_auto()
+  record["auto_resolved"] = {"staleness": "error_feedback", "staleness_strength": 0.25}
+  report = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
+  assert report.select() == G_EXPECTED  # the held-out selection reads it as it ran
+  assert report.stale_auto() == [task["what"]]
+  # A missing run of another candidate is trained; a batch with one of DDG K=4's auto is not.
+  bp = study.task("test", "BP", 1.0, None, 0, epochs=1)
+  del runner.records[bp["key"]]
+  resumed = ttq.Study(_protocol(), "gpt_long", runner, runner.records)
+  resumed.select()
+  resumed.test()
+  assert bp["key"] in runner.records
+  auto4 = study.task("test", "DDG K=4", 2.0, "auto", 1, epochs=4)
+  del runner.records[bp["key"]], runner.records[auto4["key"]]
+  runner.calls.clear()
+  resumed = ttq.Study(_protocol(), "gpt_long", runner, runner.records)
+  resumed.select()
+  with pytest.raises(ttq.ProtocolError, match="1 run.* DDG K=4 lr x2 auto seed 1 4 epochs.*"
+                                              "another auto table"):
+    resumed.test()
+  assert not [t for t in runner.calls if t["split"] == "test"]  # refused before training
+  status = ttq.status(ttq.Study(_protocol(), "gpt_long", ttq.Planner(runner.records),
+                                runner.records))
+  assert "1 staleness=auto record(s) made under another auto table" in status
+  del record["auto_resolved"]  # a record that does not say what auto set: refused
+  with pytest.raises(ttq.ProtocolError, match="does not say what auto set"):
     ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records).select()
 
 
@@ -521,3 +580,69 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_p
   assert "resumed_from_step" not in other and other["test_loss"] != whole["test_loss"]
   fresh = ttq.run_one(base, str(tmp_path / "whole"), "k", **fields)
   assert "resumed_from_step" not in fresh and strip(fresh) == strip(whole)
+
+
+def test_auto_sets_exactly_what_the_gpt_part_chose_on_held_out_data():
+  """`staleness=auto` for the Adam family = the gpt_long part's held-out choice in each
+  delayed cell: the auto run's fields, resolved as the trainer would, equal the chosen
+  setting's (as it trained) at the selection length and at every horizon."""
+  records = json.loads(GPT_RESULT.read_text())["records"]
+  study = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(records), records)
+  study.select()
+  for schedule, chosen in study.chosen.items():
+    if schedule == "BP":
+      continue
+    lr, remedy = chosen["lr_mult"], chosen["remedy"]
+    held = study.record(study.held_out(schedule, lr, remedy))
+    auto = study.held_out(schedule, lr, "auto")
+    assert trained(held) == {**auto["fields"], **ttq.auto_resolution(auto)}, schedule
+    for h in GPT["horizons"]:
+      mine = study.task("test", schedule, lr, remedy, 0, epochs=h)
+      auto = study.task("test", schedule, lr, "auto", 0, epochs=h)
+      want = {**auto["fields"], **ttq.auto_resolution(auto)}
+      if mine["fields"].get("staleness") == "auto":
+        mine["fields"].update(ttq.auto_resolution(mine))
+      assert mine["fields"] == want, (schedule, h)
+
+
+def trained(record):
+  return ttq.trained_fields(record["fields"], record)
+
+
+def test_auto_check_trains_auto_now_and_compares_with_the_run_of_the_same_fields(monkeypatch,
+                                                                                 tmp_path):
+  study, runner = _gpt_study()
+  study.select()
+  study.test()
+  # FDG K=4 chose auto & warmup 1/3 at x0.5: auto alone now trains the same fields.
+  ref = runner.records[study.task("test", "FDG K=4", 0.5, "auto & warmup 1/3", 0, epochs=1)[
+      "key"]]
+  trained = []
+
+  def worker(task):  # a deterministic trainer: the same fields give the same run
+    trained.append(task)
+    return {**ref, "auto_resolved": ttq.auto_resolution(task)}
+
+  monkeypatch.setattr(ttq, "_worker", worker)
+  line = ttq.auto_check(study, "FDG K=4", tmp_path)
+  assert len(trained) == 1 and trained[0]["fields"]["staleness"] == "auto"
+  assert trained[0]["fields"]["num_epochs"] == 1 and trained[0]["fields"]["seed"] == 0
+  assert trained[0]["key"] not in runner.records  # a run the part never made
+  assert line == ("FDG K=4: staleness=auto (error_feedback, staleness_strength 1, "
+                  "warmup_epochs 0.3333) through the trainer, 1500 steps, seed 0: test loss "
+                  f"{ref['test_loss']!r}; the part's run of the same fields (lr x0.5 auto & "
+                  f"warmup 1/3 1 epochs): {ref['test_loss']!r}; every evaluation (6) equal: yes")
+  # a run that ends elsewhere says so
+  monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "curve": [
+      {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
+  env = {"jax": "0.10.2", "jaxlib": "0.10.2", "cpu": "a CPU", "cores": 2, "backend": "cpu"}
+  assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith("equal: no")
+  monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "env": env, "curve": [
+      {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
+  assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith(
+      "equal: no (the record ran on a machine it does not name, this run on jax 0.10.2, "
+      "jaxlib 0.10.2, a CPU, 2 core(s), cpu)")
+  with pytest.raises(ttq.ProtocolError, match="no staleness=auto at 'BP'"):
+    ttq.auto_check(study, "BP", tmp_path)
+  with pytest.raises(ttq.ProtocolError, match="no test run of what auto sets now at FDG K=8"):
+    ttq.auto_check(study, "FDG K=8", tmp_path)

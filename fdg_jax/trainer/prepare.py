@@ -173,7 +173,8 @@ def auto_fields(config) -> tuple[dict, str]:
   return auto.recommend(
       config.optimizer, config.algorithm, num_stages=config.num_stages,
       momentum=config.momentum, nesterov=config.nesterov, beta=config.beta,
-      backward=config.backward, hparams=tuple(optimizer_hparams(config)))
+      backward=config.backward, hparams=tuple(optimizer_hparams(config)),
+      num_epochs=config.num_epochs)
 
 
 def resolve_auto(config):
