@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import os
 import pathlib
 import re
 import statistics
@@ -132,13 +133,26 @@ def _worker(task: dict) -> dict:
   finally:
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
+    _exit_if_orphaned()
   if resolved is not None:
     record["auto_resolved"] = resolved
   return record
 
 
+_PARENT: dict[str, int] = {}  # the study process of a pool worker (`_die_with_parent`)
+
+
+def _exit_if_orphaned() -> None:
+  """A pool worker whose study process is gone ends here: its run has saved its checkpoint
+  (a stopped run does on SIGTERM) and no one is left to take the record or give it work."""
+  if "pid" in _PARENT and os.getppid() != _PARENT["pid"]:
+    os._exit(0)
+
+
 def _die_with_parent() -> None:
-  """A worker ends when the study's process does (Linux), not training on as an orphan."""
+  """A worker ends when the study's process does (Linux), not training on as an orphan:
+  SIGTERM stops its run at a checkpoint, then `_exit_if_orphaned` ends the process."""
+  _PARENT["pid"] = os.getppid()
   try:
     import ctypes
     import signal

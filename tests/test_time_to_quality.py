@@ -646,3 +646,17 @@ def test_auto_check_trains_auto_now_and_compares_with_the_run_of_the_same_fields
     ttq.auto_check(study, "BP", tmp_path)
   with pytest.raises(ttq.ProtocolError, match="no test run of what auto sets now at FDG K=8"):
     ttq.auto_check(study, "FDG K=8", tmp_path)
+
+
+def test_a_pool_worker_whose_study_is_gone_exits_after_its_run(monkeypatch):
+  import os
+  exits = []
+  monkeypatch.setattr(ttq.os, "_exit", exits.append)
+  monkeypatch.delitem(ttq._PARENT, "pid", raising=False)
+  ttq._exit_if_orphaned()  # not a pool worker: nothing
+  monkeypatch.setitem(ttq._PARENT, "pid", os.getppid())
+  ttq._exit_if_orphaned()  # its study is there
+  assert exits == []
+  monkeypatch.setitem(ttq._PARENT, "pid", os.getppid() + 1)  # the study it started under
+  ttq._exit_if_orphaned()
+  assert exits == [0]
