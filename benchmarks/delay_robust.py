@@ -586,7 +586,9 @@ def main(argv=None) -> int:
     study.close()
   text, summary = report(study, result)
   if args.markdown:
-    command = " ".join(["python benchmarks/delay_robust.py", "--part", args.part]
+    other = [f"--{k} {getattr(args, k):g}" for k in ("mlp_width", "mlp_lr")
+             if args.part == "mlp" and getattr(args, k) != parser.get_default(k)]
+    command = " ".join(["python benchmarks/delay_robust.py", "--part", args.part, *other]
                        + ([f"--gpt_epochs {args.gpt_epochs}"] if args.part == "gpt"
                           and args.gpt_epochs != 1 else [])
                        + ["--report", "--markdown"])

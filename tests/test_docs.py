@@ -46,17 +46,35 @@ def test_the_config_reference_is_generated_from_the_config():
   assert all(comment for _, _, _, comment in gen_configs.fields())  # every field explained
 
 
-@pytest.mark.parametrize("args", [["--part", "mlp"], ["--part", "vit"],
-                                  ["--part", "gpt", "--gpt_epochs", "3"]],
-                         ids=["mlp", "vit", "gpt"])
+HEADLINE_PAGES = ("staleness.md", "results.md")
+_MARKER = re.compile(r"^<!-- python benchmarks/delay_robust.py (.*) -->$", re.M)
+
+
+def _headline_commands() -> list[str]:
+  found = {m.group(1) for page in HEADLINE_PAGES
+           for m in _MARKER.finditer((ROOT / "docs" / page).read_text())}
+  return sorted(found)
+
+
+def test_the_docs_quote_the_study_headlines_of_every_part():
+  commands = _headline_commands()
+  for part in ("--part mlp --report", "--part vit --report", "--part gpt --gpt_epochs 3"):
+    assert any(c.startswith(part) for c in commands), part
+  assert len(commands) == 5  # and the MLP at widths 64 and 128
+
+
+@pytest.mark.parametrize("args", _headline_commands())
 def test_the_staleness_headlines_are_what_the_study_prints_from_its_json(args):
-  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "delay_robust.py"), *args,
-                        "--report", "--markdown"], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT)
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "delay_robust.py"),
+                        *args.split()], capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-2000:]
   block = out.stdout.strip()
-  assert block.startswith("<!-- python benchmarks/delay_robust.py") and "Headline:" in block
-  assert block in (ROOT / "docs" / "staleness.md").read_text()
+  assert block.startswith(f"<!-- python benchmarks/delay_robust.py {args} -->")
+  assert "Headline:" in block
+  for page in HEADLINE_PAGES:  # every page that quotes it, word for word
+    text = (ROOT / "docs" / page).read_text()
+    if block.splitlines()[0] in text:
+      assert block in text, page
 
 
 # Lines that are data quoted as it is (a log line a test parses), not code or prose.

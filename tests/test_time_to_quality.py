@@ -210,6 +210,7 @@ def test_parts_not_run_are_refused():
 
 RESULT = ROOT / "docs" / "results" / "time_to_quality_fashion_mlp.json"
 DOCS = ROOT / "docs" / "staleness.md"
+RESULTS = ROOT / "docs" / "results.md"
 
 
 def _report(*flags: str, part: str = "fashion_mlp") -> str:
@@ -226,6 +227,7 @@ def test_the_docs_table_is_what_the_report_prints_from_the_committed_json():
   table = _report("--markdown")
   assert table.startswith("<!-- time_to_quality fashion_mlp")
   assert table in DOCS.read_text(), "docs/staleness.md's table differs from the report"
+  assert table in RESULTS.read_text(), "docs/results.md's table differs from the report"
 
 
 # ------------------------------------------------------------------------------ gpt_long
