@@ -273,7 +273,8 @@ def status(study: "Study") -> str:
   phase = "selection" if len(study.chosen) < len(study.spec["schedules"]) else "test"
   if study.stale_auto():
     lines.append(f"  {len(study.stale_auto())} staleness=auto record(s) made under another auto "
-                 "table: the report reads them as what they ran; adding runs needs them rerun")
+                 "table: the report reads them as what they ran; more runs of their candidates "
+                 "need them rerun")
   for schedule, c in study.chosen.items():
     lines.append(f"  chosen {schedule}: lr x{c['lr_mult']:g}, {c['remedy'] or 'no remedy'}")
   lines += [f"  tie: {line}" for line in study.log]
