@@ -97,6 +97,11 @@ def trained_fields(fields: dict, record: dict) -> dict:
   return out
 
 
+def trains_now(task: dict) -> dict:
+  """The fields a task trains with the library as it is now (staleness=auto resolved)."""
+  return {**task["fields"], **(auto_resolution(task) or {})}
+
+
 def auto_resolution(task: dict) -> dict | None:
   """What `staleness=auto` sets for a task that runs it (the library's table now), else None.
   A record stores it: the config key names "auto", not what auto meant when it ran."""
@@ -366,8 +371,8 @@ class Study:
       self._stale = [
           r.get("what", r["key"]) for r in self.records.values()
           if r.get("protocol_sha256") == self.sha and r["fields"].get("staleness") == "auto"
-          and trained_fields(r["fields"], r) != {**r["fields"], **auto_resolution(
-              {"config": self.spec["config"], "fields": r["fields"]})}]
+          and trained_fields(r["fields"], r) != trains_now(
+              {"config": self.spec["config"], "fields": r["fields"]})]
     return self._stale
 
   def _train(self, tasks: list[dict]) -> None:
@@ -809,6 +814,23 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
   return "\n".join(lines)
 
 
+def _auto_candidate(spec: dict, schedule: str) -> str | None:
+  """The name of the part's candidate that is `staleness=auto` alone at `schedule`, if any."""
+  return next((n for n, r in spec["remedies"].get(schedule, {}).items()
+               if r == {"staleness": "auto"}), None)
+
+
+def _run_label(record: dict, schedule: str) -> str:
+  """A test record's run without its seed: "lr x1 error_feedback 1 4 epochs"."""
+  return re.sub(r" seed \d+", "", record["what"]).removeprefix(f"test {schedule} ")
+
+
+def _beats(margin: float, se: float, show) -> str:
+  """'better by X, more than the standard error Y' (or worse, or not more)."""
+  return (f"{'better' if margin > 0 else 'worse'} by {show(abs(margin))}, "
+          f"{'more' if margin > se else 'not more'} than the standard error {show(se)}")
+
+
 def _auto_header(study: Study) -> str:
   return (f"<!-- time_to_quality {study.part} auto: written by `python "
           f"benchmarks/time_to_quality.py --part {study.part} --report --auto_markdown` -->")
@@ -826,21 +848,19 @@ def auto_markdown(study: Study, summary: dict) -> str:
            f"| schedule | held-out accuracy %: `auto` vs no remedy (seed "
            f"{study.spec['selection_seed']}) | chosen | test accuracy % (mean ± std) | vs BP |",
            "|---|---|---|---|---|"]
-  for schedule, candidates in study.spec["remedies"].items():
-    autos = [n for n, r in candidates.items() if r == {"staleness": "auto"}]
-    if not autos or schedule not in rows:
+  for schedule in study.spec["remedies"]:
+    name = _auto_candidate(study.spec, schedule)
+    if name is None or schedule not in rows:
       continue
     lr = study.chosen[schedule]["lr_mult"]
     plain = study.record(study.held_out(schedule, lr))
-    task = study.held_out(schedule, lr, autos[0])
+    task = study.held_out(schedule, lr, name)
     auto = study.record(task)
     if auto["auto_resolved"] != auto_resolution(task):
       raise ProtocolError(f"auto now sets {auto_resolution(task)} at {schedule}, not what the "
                           f"part's runs of it set ({auto['auto_resolved']}): rerun them")
-    margin, se = study.score(auto) - study.score(plain), study.standard_error(plain)
-    verdict = (f"{'better' if margin > 0 else 'worse'} by {100 * abs(margin):.2f}, "
-               f"{'more' if margin > se else 'not more'} than the standard error "
-               f"{100 * se:.2f}")
+    verdict = _beats(study.score(auto) - study.score(plain), study.standard_error(plain),
+                     lambda v: f"{100 * v:.2f}")
     r = rows[schedule]
     chosen = f"lr ×{r['lr_mult']:g}" + (f", `{r['remedy']}`" if r["remedy"] else ", no remedy")
     lines.append(f"| {schedule} | {100 * study.score(auto):.2f} vs "
@@ -867,23 +887,21 @@ def auto_check(study: Study, schedule: str, workroot: pathlib.Path) -> str:
   spec = study.spec
   if "horizons" not in spec:
     raise ProtocolError("--auto_check reads a part with horizons")
-  name = next((n for n, r in spec["remedies"].get(schedule, {}).items()
-               if r == {"staleness": "auto"}), None)
+  name = _auto_candidate(spec, schedule)
   if name is None:
     raise ProtocolError(f"the part tried no staleness=auto at {schedule!r}")
   lr, h, seed = study.chosen[schedule]["lr_mult"], min(spec["horizons"]), spec["test_seeds"][0]
   task = study.task("test", schedule, lr, name, seed, epochs=h)
-  now = auto_resolution(task)
-  same = [r for r in runs_like(study, "test", {**task["fields"], **now})
+  same = [r for r in runs_like(study, "test", trains_now(task))
           if r["fields"]["seed"] == seed]
   if not same:
     raise ProtocolError(f"the part has no test run of what auto sets now at {schedule} "
-                        f"({now}) at {h} epoch(s)")
+                        f"({auto_resolution(task)}) at {h} epoch(s)")
   workroot.mkdir(parents=True, exist_ok=True)
   ran = _worker({**task, "workroot": str(workroot)})
   ref = same[0]
   equal = [c["test_loss"] for c in ran["curve"]] == [c["test_loss"] for c in ref["curve"]]
-  which = re.sub(r" seed \d+", "", ref["what"]).removeprefix(f"test {schedule} ")
+  which = _run_label(ref, schedule)
   from fdg_jax.optim import auto
   return (f"{schedule}: staleness=auto ({auto.describe(ran['auto_resolved'])}) through the "
           f"trainer, {h * text_steps_per_epoch(spec)} steps, seed {seed}: test loss "
@@ -915,32 +933,28 @@ def auto_markdown_horizons(study: Study, summary: dict) -> str:
            f"{spec['selection_epochs'] * spe} steps: that vs no remedy (seed "
            f"{spec['selection_seed']}) | test perplexity at {h * spe} steps (mean ± std), vs "
            "BP | the part's runs of it |", "|---|---|---|---|---|"]
-  for schedule, candidates in spec["remedies"].items():
-    if {"staleness": "auto"} not in candidates.values() or schedule not in longest["rows"]:
+  from fdg_jax.optim import auto
+  for schedule in spec["remedies"]:
+    name = _auto_candidate(spec, schedule)
+    if name is None or schedule not in longest["rows"]:
       continue
-    name = next(n for n, r in candidates.items() if r == {"staleness": "auto"})
     lr = study.chosen[schedule]["lr_mult"]
     held_task, test_task = (study.held_out(schedule, lr, name),
                             study.task("test", schedule, lr, name, spec["test_seeds"][0],
                                        epochs=h))
-    now = auto_resolution(test_task)
-    from fdg_jax.optim import auto as auto_lib
-    sets = f"lr ×{lr:g}, {auto_lib.describe(now)}"
-    held = runs_like(study, "held_out", {**held_task["fields"],
-                                         **auto_resolution(held_task)})
-    test = runs_like(study, "test", {**test_task["fields"], **now})
+    sets = f"lr ×{lr:g}, {auto.describe(auto_resolution(test_task))}"
+    held = runs_like(study, "held_out", trains_now(held_task))
+    test = runs_like(study, "test", trains_now(test_task))
     if not held or len(test) < len(spec["test_seeds"]):
       lines.append(f"| {schedule} | {sets} | not run in this part | – | – |")
       continue
     plain = study.record(study.held_out(schedule, lr))
-    margin = study.score(held[0]) - study.score(plain)
-    se = study.standard_error(plain)
     verdict = (f"{held[0]['test_loss']:.4f} vs {plain['test_loss']:.4f}: "
-               f"{'better' if margin > 0 else 'worse'} by {abs(margin):.4f}, "
-               f"{'more' if margin > se else 'not more'} than the standard error {se:.4f}")
+               + _beats(study.score(held[0]) - study.score(plain),
+                        study.standard_error(plain), lambda v: f"{v:.4f}"))
     mean, std, n = _ppl(test)
     gap = mean / longest["bp_ppl"] - 1
-    which = re.sub(r" seed \d+", "", test[0]["what"]).removeprefix(f"test {schedule} ")
+    which = _run_label(test[0], schedule)
     lines.append(f"| {schedule} | {sets} | {verdict} | {mean:.3f} ± {std:.3f}"
                  + (f" ({len(test) - n} diverged)" if n < len(test) else "")
                  + f", {100 * gap:+.1f}% | {which} |")
