@@ -662,3 +662,38 @@ def test_a_pool_worker_whose_study_is_gone_exits_after_its_run(monkeypatch):
   monkeypatch.setitem(ttq._PARENT, "pid", os.getppid() + 1)  # the study it started under
   ttq._exit_if_orphaned()
   assert exits == [0]
+
+
+def _readme_bullets(title: str) -> list[str]:
+  """The README's results bullets that start with `- **TITLE`, each as one line of text."""
+  bullets, current = [], None
+  for line in README.read_text().splitlines():
+    if line.startswith("- "):
+      current = [line] if line.startswith(f"- **{title}") else None
+      if current is not None:
+        bullets.append(current)
+    elif current is not None and line.startswith("  "):
+      current.append(line.strip())
+    else:
+      current = None
+  return [" ".join(b) for b in bullets]
+
+
+def test_the_readme_time_to_quality_figures_are_the_reports():
+  """Every decimal figure the README's time-to-quality bullets quote after their set-up
+  (the first parenthesis) is in what the report prints from the committed JSON for that
+  bullet's part: the prose is written by hand, its figures must not be."""
+  import re
+  bullets = _readme_bullets("Time to BP's quality")
+  assert bullets, "README has no time-to-quality bullet"
+  parts = {"Fashion-MNIST": "fashion_mlp", "GPT": "gpt_long"}
+  checked = 0
+  for bullet in bullets:
+    part = next(p for name, p in parts.items() if name in bullet.split(")")[0])
+    if part == "gpt_long" and not _gpt_long_complete():
+      continue
+    report = _report("--markdown", part=part) + "\n" + _report("--auto_markdown", part=part)
+    for figure in re.findall(r"[-−+]?\d+\.\d+", bullet.split(")", 1)[1]):
+      assert figure.replace("−", "-") in report, f"README quotes {figure} ({part}): not in report"
+      checked += 1
+  assert checked >= 4
