@@ -735,26 +735,41 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
 
 
 def plot_horizons(summary: dict, tests: dict, path: str, title: str) -> None:
+  """Two panels of the same curves: the whole run on a log scale, and from the first horizon
+  on at a linear scale near BP's quality, where the horizons' gaps are read."""
+  import textwrap
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   horizons = list(summary["horizons"])
   longest = horizons[-1]
-  fig, ax = plt.subplots(figsize=(6.4, 4.0))
+  curves = {}
   for schedule, cell in tests.items():
     curve = loss_curve(cell[f"equal@{longest}" if schedule == "BP" else f"long@{longest}"])
     if curve:
-      ax.plot([s for s, _ in curve], [math.exp(v) for _, v in curve], label=schedule,
+      curves[schedule] = [(s, math.exp(v)) for s, v in curve]
+  first = summary["horizons"][horizons[0]]
+  fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.2))
+  for ax, zoom in zip(axes, (False, True)):
+    for schedule, curve in curves.items():
+      ax.plot([s for s, _ in curve], [p for _, p in curve], label=schedule,
               lw=2 if schedule == "BP" else 1.2)
-  for h in horizons:
-    b = summary["horizons"][h]
-    ax.plot([b["bp_steps"]], [b["bp_ppl"]], "k.", ms=8)
-    ax.axhline(b["bp_ppl"], color="0.6", ls=":", lw=0.8)
-  ax.set_xlabel("step")
-  ax.set_ylabel("test perplexity, mean over the test seeds")
-  ax.set_yscale("log")
-  ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=8)
+    for h in horizons:
+      b = summary["horizons"][h]
+      ax.plot([b["bp_steps"]], [b["bp_ppl"]], "k.", ms=8)
+      ax.axhline(b["bp_ppl"], color="0.6", ls=":", lw=0.8)
+    ax.set_xlabel("step")
+    if zoom:
+      low = min(p for curve in curves.values() for _, p in curve)
+      ax.set_xlim(first["bp_steps"], None)
+      ax.set_ylim(0.98 * low, 1.25 * first["bp_ppl"])
+      ax.set_title("from the first horizon on, near BP's quality", fontsize=9)
+    else:
+      ax.set_yscale("log")
+      ax.set_ylabel("test perplexity, mean over the test seeds")
+      ax.set_title("the whole run", fontsize=9)
+      ax.legend(fontsize=8)
+  fig.suptitle(textwrap.fill(title, 110), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
