@@ -671,8 +671,11 @@ def summarise_horizons(study: Study, tests: dict) -> dict:
              "seeds": len(cell[f"equal@{h}"]), "steps": h * spe,
              "auto_set": cell[f"equal@{h}"][0].get("auto_resolved")}
       if schedule != "BP":
-        reach = steps_to_fall_to(loss_curve(cell[f"long@{h}"]), bp_loss)
+        long = loss_curve(cell[f"long@{h}"])
+        reach = steps_to_fall_to(long, bp_loss)
+        lowest = min(long, key=lambda p: p[1]) if long else None
         row.update(gap=mean / bp_ppl - 1, long_steps=int(round(spec["horizon_factor"] * h)) * spe,
+                   long_lowest=None if lowest is None else (lowest[0], math.exp(lowest[1])),
                    step_overhead=None if reach is None else reach / (h * spe),
                    predicted_speedup=speedups[schedule])
         row["time_to_quality_speedup"] = (None if reach is None else
@@ -717,17 +720,27 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
       if schedule == "BP":
         lines.append(f"| {r['steps']} | BP | {chosen} | {fmt(r)} | – | 1 | 1 | 1 |")
         continue
-      over = (f"not reached in {r['long_steps']} steps" if r["step_overhead"] is None
-              else f"{r['step_overhead']:.2f}×")
+      if r["step_overhead"] is not None:
+        over = f"{r['step_overhead']:.2f}×"
+      else:
+        low = r.get("long_lowest")
+        over = f"not reached in {r['long_steps']} steps" + (
+            "" if low is None else f" (lowest {low[1]:.3f}, step {low[0]})")
       ttq = ("–" if r["time_to_quality_speedup"] is None
              else f"{r['time_to_quality_speedup']:.2f}×")
       lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
                    f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
+  notes = []
+  if any(r.get("long_lowest") and r["step_overhead"] is None
+         for block in summary["horizons"].values() for r in block["rows"].values()):
+    notes = ["", "Not reached: the mean test loss over the seeds of the run trained longer "
+             "never fell to BP's; in brackets its lowest, as a perplexity, and the step."]
   for schedule, r in summary["auto"].items():
     label = "`staleness=auto` as it was" if r.get("stale") else "`staleness=auto`"
     lines.append(f"| {r['steps']} | {schedule}, {label} | lr ×{r['lr_mult']:g}, auto"
                  f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% "
                  "| – | – | – |")
+  lines += notes
   if log:
     lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
     lines += [f"- {entry}" for entry in log]
@@ -791,7 +804,10 @@ def summarise(study: Study, tests: dict) -> dict:
            "steps": bp_steps}
     if schedule != "BP":
       row["gap"] = row["mean"] - 100 * bp_final
-      reach = steps_to_reach(mean_curve(cell["long"], steps_per_epoch), bp_final)
+      long = mean_curve(cell["long"], steps_per_epoch)
+      reach = steps_to_reach(long, bp_final)
+      best = max(long, key=lambda p: p[1]) if long else None
+      row["long_highest"] = None if best is None else (int(round(best[0])), 100 * best[1])
       row["long_steps"] = int(round(spec["horizon_factor"] * spec["fields"]["num_epochs"])) \
           * steps_per_epoch
       row["step_overhead"] = None if reach is None else reach / bp_steps
@@ -817,12 +833,19 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
     if schedule == "BP":
       lines.append(f"| BP | {chosen} | {acc} | – | 1 ({r['steps']} steps) | 1 | 1 |")
       continue
-    over = ("not reached in " + f"{r['long_steps']} steps" if r["step_overhead"] is None
-            else f"{r['step_overhead']:.2f}×")
+    if r["step_overhead"] is not None:
+      over = f"{r['step_overhead']:.2f}×"
+    else:
+      high = r.get("long_highest")
+      over = f"not reached in {r['long_steps']} steps" + (
+          "" if high is None else f" (highest {high[1]:.2f}, step {high[0]})")
     ttq = ("–" if r["time_to_quality_speedup"] is None
            else f"{r['time_to_quality_speedup']:.2f}×")
     lines.append(f"| {schedule} | {chosen} | {acc} | {r['gap']:+.2f} | {over} | "
                  f"{r['predicted_speedup']:.2f}× | {ttq} |")
+  if any(r.get("long_highest") and r["step_overhead"] is None for r in rows.values()):
+    lines += ["", "Not reached: the mean test accuracy over the seeds of the run trained "
+              "longer never rose to BP's; in brackets its highest and the step."]
   if log:
     lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
     lines += [f"- {entry}" for entry in log]
