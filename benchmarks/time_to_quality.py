@@ -705,6 +705,15 @@ def _auto_note(resolved: dict | None) -> str:
   return f" (auto: {auto.describe(resolved)})"
 
 
+def _overhead_cell(row: dict, word: str, closest: tuple | None, digits: int) -> str:
+  """A table's step-overhead cell: '1.39×', or 'not reached in N steps (WORD V, step S)'
+  with the longer run's closest point to BP's quality."""
+  if row["step_overhead"] is not None:
+    return f"{row['step_overhead']:.2f}×"
+  return f"not reached in {row['long_steps']} steps" + (
+      "" if closest is None else f" ({word} {closest[1]:.{digits}f}, step {closest[0]})")
+
+
 def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
   lines = [f"<!-- time_to_quality {part}: written by `python benchmarks/time_to_quality.py "
            f"--part {part} --report --markdown` -->",
@@ -720,12 +729,7 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
       if schedule == "BP":
         lines.append(f"| {r['steps']} | BP | {chosen} | {fmt(r)} | – | 1 | 1 | 1 |")
         continue
-      if r["step_overhead"] is not None:
-        over = f"{r['step_overhead']:.2f}×"
-      else:
-        low = r.get("long_lowest")
-        over = f"not reached in {r['long_steps']} steps" + (
-            "" if low is None else f" (lowest {low[1]:.3f}, step {low[0]})")
+      over = _overhead_cell(r, "lowest", r.get("long_lowest"), 3)
       ttq = ("–" if r["time_to_quality_speedup"] is None
              else f"{r['time_to_quality_speedup']:.2f}×")
       lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
@@ -833,12 +837,7 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
     if schedule == "BP":
       lines.append(f"| BP | {chosen} | {acc} | – | 1 ({r['steps']} steps) | 1 | 1 |")
       continue
-    if r["step_overhead"] is not None:
-      over = f"{r['step_overhead']:.2f}×"
-    else:
-      high = r.get("long_highest")
-      over = f"not reached in {r['long_steps']} steps" + (
-          "" if high is None else f" (highest {high[1]:.2f}, step {high[0]})")
+    over = _overhead_cell(r, "highest", r.get("long_highest"), 2)
     ttq = ("–" if r["time_to_quality_speedup"] is None
            else f"{r['time_to_quality_speedup']:.2f}×")
     lines.append(f"| {schedule} | {chosen} | {acc} | {r['gap']:+.2f} | {over} | "
