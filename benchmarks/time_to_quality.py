@@ -734,17 +734,15 @@ def markdown_horizons(part: str, summary: dict, log: list[str]) -> str:
              else f"{r['time_to_quality_speedup']:.2f}×")
       lines.append(f"| {r['steps']} | {schedule} | {chosen} | {fmt(r)} | "
                    f"{100 * r['gap']:+.1f}% | {over} | {r['predicted_speedup']:.2f}× | {ttq} |")
-  notes = []
-  if any(r.get("long_lowest") and r["step_overhead"] is None
-         for block in summary["horizons"].values() for r in block["rows"].values()):
-    notes = ["", "Not reached: the mean test loss over the seeds of the run trained longer "
-             "never fell to BP's; in brackets its lowest, as a perplexity, and the step."]
   for schedule, r in summary["auto"].items():
     label = "`staleness=auto` as it was" if r.get("stale") else "`staleness=auto`"
     lines.append(f"| {r['steps']} | {schedule}, {label} | lr ×{r['lr_mult']:g}, auto"
                  f"{_auto_note(r.get('auto_set'))} | {fmt(r)} | {100 * r['gap']:+.1f}% "
                  "| – | – | – |")
-  lines += notes
+  if any(r.get("long_lowest") and r["step_overhead"] is None
+         for block in summary["horizons"].values() for r in block["rows"].values()):
+    lines += ["", "Not reached: the mean test loss over the seeds of the run trained longer "
+              "never fell to BP's; in brackets its lowest, as a perplexity, and the step."]
   if log:
     lines += ["", "Ties resolved to the simpler setting (held-out split):", ""]
     lines += [f"- {entry}" for entry in log]

@@ -7,6 +7,7 @@ choice is made, so a choice read from test records changes the outcome.
 
 import concurrent.futures
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -221,6 +222,7 @@ DOCS = ROOT / "docs" / "staleness.md"
 RESULTS = ROOT / "docs" / "results.md"
 
 
+@functools.lru_cache(maxsize=None)
 def _report(*flags: str, part: str = "fashion_mlp") -> str:
   """What `time_to_quality.py --part PART --report FLAGS` prints (asserted to succeed)."""
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
