@@ -153,13 +153,15 @@ def resumable_step(workdir: str, config) -> int | None:
   return max(steps)
 
 
-def run_one(base, workroot: str, name: str, resume: bool = False, **fields) -> dict:
+def run_one(base, workroot: str, name: str, resume: bool = False, clear: bool = True,
+            **fields) -> dict:
   """One `train_and_evaluate` run of `base` with `fields` changed; returns its record.
 
   With `resume`, a run of exactly this config left in the workdir by an interrupted process
   goes on from its newest checkpoint (the trainer's resume is bitwise exact) and the record
   says from which step (`resumed_from_step`; its `wall_time` is this process's share). Any
-  other workdir content is removed first: a run never resumes with other settings."""
+  other workdir content is removed first (unless not `clear`: the processes of a
+  multi-process run, whose launcher cleared it): a run never resumes with other settings."""
   from fdg_jax import trainer
   enable_compilation_cache()
 
@@ -167,7 +169,7 @@ def run_one(base, workroot: str, name: str, resume: bool = False, **fields) -> d
   config.progress_bar = False
   workdir = os.path.join(workroot, name)
   resumed = resumable_step(workdir, config) if resume else None
-  if resumed is None:
+  if resumed is None and clear:
     shutil.rmtree(workdir, ignore_errors=True)
   record = {"name": name, "algorithm": config.algorithm, "num_stages": config.num_stages,
             "beta": config.beta, "seed": config.seed, "learning_rate": config.learning_rate,

@@ -1039,6 +1039,8 @@ def main(argv=None) -> int:
   parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
   parser.add_argument("--out", default="")
+  parser.add_argument("--targets_json", action="store_true",
+                      help="with --report: the part's pre-registered targets as a JSON list")
   args = parser.parse_args(argv)
   if args.auto_check and not args.report:
     parser.error("--auto_check compares with the part's records, training no other run: "
@@ -1046,6 +1048,9 @@ def main(argv=None) -> int:
   protocol = load_protocol(args.protocol)
   if args.part not in protocol["parts"]:
     parser.error(f"unknown part {args.part!r}; the protocol has {list(protocol['parts'])}")
+  if "cells" in protocol["parts"][args.part]:  # a fixed recipe, no selection
+    import ttq_recipe
+    return ttq_recipe.main(protocol, args.part, args)
   out = pathlib.Path(args.out or ROOT / "docs" / "results" / f"time_to_quality_{args.part}.json")
   started = time.time()
   if args.status:

@@ -11,6 +11,11 @@ the exit status is the first non-zero one.
 
 On a real cluster start one process per host yourself with the same three variables (the
 coordinator is process 0's "host:port"), or use SLURM / Open MPI, which JAX detects.
+
+`--pin` holds process i to one core (the i-th of the cores this launcher may use), so that
+N processes on an N-core machine are N parallel devices rather than threads that share the
+cores. SIGTERM or SIGINT to the launcher is passed on to every process, which then stops
+at a checkpoint (the trainer's), given `--grace` seconds before it is killed.
 """
 
 from __future__ import annotations
@@ -45,20 +50,31 @@ def process_env(process_id: int, num_processes: int, coordinator: str,
   return env
 
 
+def pinned_cores(num_processes: int) -> list[int]:
+  """The core of each process under --pin: the launcher's usable cores in order, cycled."""
+  cores = sorted(os.sched_getaffinity(0))
+  return [cores[i % len(cores)] for i in range(num_processes)]
+
+
 def launch(command: list[str], num_processes: int, *, cpu_devices: int | None = None,
            port: int | None = None, timeout_s: float | None = None, prefix: bool = True,
-           env: dict | None = None) -> int:
+           env: dict | None = None, pin: bool = False, grace_s: float = 5.0) -> int:
   """Starts `command` as `num_processes` processes, waits for all, returns the exit status.
 
-  Stops every process when one fails, on timeout (status 124) and on Ctrl-C.
+  Stops every process when one fails, on timeout (status 124), on Ctrl-C and on SIGTERM
+  (each process gets SIGTERM, then SIGKILL after `grace_s`). `pin`: process i runs on one
+  core only (`pinned_cores`), set before it starts.
   """
   coordinator = f"127.0.0.1:{port or free_port()}"
+  cores = pinned_cores(num_processes) if pin else [None] * num_processes
   procs = []
+  previous = _term_as_interrupt()
   for i in range(num_processes):
     procs.append(subprocess.Popen(
         command, env=process_env(i, num_processes, coordinator, cpu_devices, env),
         stdout=subprocess.PIPE if prefix else None,
-        stderr=subprocess.STDOUT if prefix else None, text=True, start_new_session=True))
+        stderr=subprocess.STDOUT if prefix else None, text=True, start_new_session=True,
+        preexec_fn=None if cores[i] is None else _pin_to(cores[i])))
   pumps = []
   if prefix:
     for i, p in enumerate(procs):
@@ -83,10 +99,27 @@ def launch(command: list[str], num_processes: int, *, cpu_devices: int | None = 
   except KeyboardInterrupt:
     status = 130
   finally:
-    _stop(procs)
+    _stop(procs, grace_s)
     for t in pumps:
       t.join(timeout=5)
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
   return status
+
+
+def _pin_to(core: int):
+  return lambda: os.sched_setaffinity(0, {core})
+
+
+def _term_as_interrupt():
+  """SIGTERM to the launcher stops its processes as Ctrl-C does (main thread only)."""
+  def handler(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+  try:
+    return signal.signal(signal.SIGTERM, handler)
+  except ValueError:
+    return None
 
 
 def _pump(stream, prefix: str) -> None:
@@ -121,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if "--" not in argv:
     print("usage: python -m fdg_jax.launch --num-processes N [--cpu-devices M] [--port P] "
-          "[--timeout S] -- COMMAND ...", file=sys.stderr)
+          "[--timeout S] [--pin] [--grace S] -- COMMAND ...", file=sys.stderr)
     return 2
   split = argv.index("--")
   parser = argparse.ArgumentParser(prog="python -m fdg_jax.launch",
@@ -131,12 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                       help="run each process on this many CPU devices")
   parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
   parser.add_argument("--timeout", type=float, default=None, help="seconds before stopping all")
+  parser.add_argument("--pin", action="store_true",
+                      help="hold process i to one core (the i-th this launcher may use)")
+  parser.add_argument("--grace", type=float, default=5.0,
+                      help="seconds a stopped process has to end before it is killed")
   args = parser.parse_args(argv[:split])
   command = argv[split + 1:]
   if not command or args.num_processes < 1:
     parser.error("give a command after -- and --num-processes >= 1")
   return launch(command, args.num_processes, cpu_devices=args.cpu_devices, port=args.port,
-                timeout_s=args.timeout)
+                timeout_s=args.timeout, pin=args.pin, grace_s=args.grace)
 
 
 if __name__ == "__main__":

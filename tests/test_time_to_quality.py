@@ -214,7 +214,7 @@ def test_the_config_key_covers_every_field():
 
 def test_parts_not_run_are_refused():
   with pytest.raises(ttq.ProtocolError, match="not run under this protocol"):
-    ttq.Study(_protocol(), "fashion_resnet20", FakeRunner(), {})
+    ttq.Study(_protocol(), "fashion_vit", FakeRunner(), {})
 
 
 RESULT = ROOT / "docs" / "results" / "time_to_quality_fashion_mlp.json"

@@ -104,9 +104,12 @@ def _check(value, allowed, what):
     raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(map(str, allowed))}")
 
 
-def cifar_resnet(depth: int, num_classes: int = 10, *, shortcut: str = "A",
+def cifar_resnet(depth: int, num_classes: int = 10, *, shortcut: str = "A", width: int = 16,
                  bn_axis_name: str | None = None, name: str | None = None) -> Model:
   """CIFAR ResNet-`depth` (depth = 6n+2): stem, 3 groups of n basic blocks (16, 32, 64), head.
+
+  `width`: the channels of the stem and first group (the published 16); the groups have width,
+  2 width and 4 width channels (8 halves every layer's channels, a quarter of the FLOPs).
 
   Blocks: 0 = stem, 1..n = layer1, n+1..2n = layer2, 2n+1..3n = layer3, 3n+1 = head.
   Option A shortcuts by default: they give the published 0.27M / 0.85M / 1.7M / 19.4M counts
@@ -115,12 +118,14 @@ def cifar_resnet(depth: int, num_classes: int = 10, *, shortcut: str = "A",
   if depth < 8 or (depth - 2) % 6:
     raise ValueError(f"CIFAR ResNet depth must be 6n+2 with n >= 1, got {depth}")
   _check(shortcut, SHORTCUTS, "shortcut")
+  if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+    raise ValueError(f"CIFAR ResNet width must be a positive integer, got {width!r}")
   n = (depth - 2) // 6
-  blocks, labels = [Stem(16, "cifar", bn_axis_name)], ["stem"]
-  for g, width in enumerate((16, 32, 64)):
+  blocks, labels = [Stem(width, "cifar", bn_axis_name)], ["stem"]
+  for g, features in enumerate((width, 2 * width, 4 * width)):
     for i in range(n):
       strides = 2 if (g > 0 and i == 0) else 1
-      blocks.append(BasicBlock(width, strides, shortcut, bn_axis_name))
+      blocks.append(BasicBlock(features, strides, shortcut, bn_axis_name))
       labels.append(f"layer{g + 1}.{i}")
   blocks.append(Head(num_classes, bn_axis_name=bn_axis_name))
   labels.append("head")
