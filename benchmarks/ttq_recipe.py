@@ -36,7 +36,6 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from parity import ROOT, load_config, run_one, validation_split, with_fields  # noqa: E402
 
-STEPS_PER_EPOCH = {"fashion_mnist": 469, "digits": 12}  # ceil(train examples / 128)
 HELD_OUT = {"fraction": 0.1, "seed": 0}
 
 
@@ -353,9 +352,9 @@ def summarise(protocol: dict, part: str, records: dict) -> dict:
                  else 0.0, each=accs, wall=statistics.fmean(r["wall_time"] for r in ok))
     rows[name] = row
   bp = rows["BP"]
-  steps = int(spec["fields"]["num_epochs"]) * STEPS_PER_EPOCH[spec["fields"]["dataset"]]
+  steps = bp["records"][0]["curve"][-1]["step"] if bp["records"] else None  # BP's whole run
   for row in rows.values():
-    if "final" not in row or "final" not in bp or row["diverged"]:
+    if "final" not in row or "final" not in bp or row["diverged"] or not bp["complete"]:
       continue
     row["gap"] = row["final"] - bp["final"]
     target = statistics.fmean(r["test_accuracy"] for r in bp["records"])

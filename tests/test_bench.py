@@ -638,3 +638,36 @@ def test_ring_cost_counts_kernels_and_the_weights_a_stash_writes(tmp_path, capsy
   assert r["stash_bytes_per_tick"]["total"] > r["stash_bytes_per_tick"]["weights"]
   assert r["stash_bytes_per_tick"]["per_stage"][-1] == 0  # the last stage keeps no ring
   assert "kernels per tick" in capsys.readouterr().out
+
+
+def test_cores_runs_each_configuration_as_pinned_processes(tmp_path):
+  """`python -m fdg_jax.bench cores` at a tiny size: every row's processes ran where the row
+  says (one core each, or both for the one-device row), the speed-ups are over the first row
+  and the JSON has the issue's fields. No timing assertion."""
+  import subprocess
+  import sys
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip("needs two usable cores")
+  out = tmp_path / "cores.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+  env["FDG_JAX_COMPILATION_CACHE"] = "off"
+  p = subprocess.run([sys.executable, "-m", "fdg_jax.bench", "cores", "--model", "mlp",
+                      "--model_kwargs", '{"widths": [16, 16], "input_shape": [8, 8, 1]}',
+                      "--input_shape", "8", "8", "1", "--batch_size", "16", "--ticks", "2",
+                      "--rounds", "2", "--algorithms", "fdg", "--out", str(out)],
+                     capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+  assert p.returncode == 0, p.stdout + p.stderr
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["name"] for r in rows] == ["bp, 1 core", "bp, 2 cores, 1 device",
+                                       "bp, 2 replicas", "fdg K=2, a stage per core"]
+  assert [(r["cores"], r["processes"], r["replicas"], r["num_stages"]) for r in rows] == [
+      (1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 2, 1), (2, 2, 1, 2)]
+  assert rows[0]["speedup"] == 1.0
+  for r in rows:
+    assert {"algorithm", "num_stages", "replicas", "cores", "samples_per_s", "speedup"} <= set(r)
+    assert _positive_finite(r["samples_per_s"]) and len(r["round_walls_s"]) == 2
+    assert len(r["cpu_per_wall"]) == r["processes"]
+    # A process held to one core cannot use more than one core's seconds per second.
+    if all(len(c) == 1 for c in r["core_sets"]):
+      assert all(0 < c <= 1.05 for c in r["cpu_per_wall"])
+  assert "| fdg K=2, a stage per core | 2 | 2 |" in p.stdout
