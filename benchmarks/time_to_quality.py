@@ -52,6 +52,11 @@ class ProtocolError(Exception):
   """Records or arguments that do not belong to the protocol's part."""
 
 
+class RunFailed(ProtocolError):
+  """A run that ended in an error other than a non-finite loss (a missing dataset, a bad
+  config, a full disk): an infrastructure failure, never a record."""
+
+
 def load_protocol(path=PROTOCOL) -> dict:
   return json.loads(pathlib.Path(path).read_text())
 
@@ -132,9 +137,10 @@ def _worker(task: dict) -> dict:
   try:
     with held:
       record = run_one(config, task["workroot"], task["key"], resume=True, **fields)
-  except Exception as e:  # noqa: BLE001  a run that cannot start counts as failed
-    record = {"diverged": True, "error": f"{type(e).__name__}: {e}", "test_accuracy": math.nan,
-              "test_loss": math.nan, "wall_time": 0.0, "curve": []}
+  except Exception as e:  # noqa: BLE001  not a training result: the study stops on it
+    line = " ".join(str(e).split()) or type(e).__name__
+    raise RunFailed(f"{task['what']} failed: {type(e).__name__}: {line}; no record was "
+                    "kept") from None
   finally:
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
@@ -142,6 +148,11 @@ def _worker(task: dict) -> dict:
   if resolved is not None:
     record["auto_resolved"] = resolved
   return record
+
+
+def _code_commit() -> str:
+  import ttq_recipe
+  return ttq_recipe.code_commit()
 
 
 _PARENT: dict[str, int] = {}  # the study process of a pool worker (`_die_with_parent`)
@@ -200,12 +211,25 @@ class Runner:
           self.jobs, mp_context=multiprocessing.get_context("spawn"),
           initializer=_die_with_parent)
     futures = {self.pool.submit(_worker, {**t, "workroot": str(self.workroot)}): t for t in todo}
+    failed = None
     for fut in concurrent.futures.as_completed(futures):
       t = futures[fut]
+      if fut.cancelled():
+        continue
+      error = fut.exception()
+      if error is not None:  # the others that run finish and are kept; no more start
+        failed = failed or error
+        for other in futures:
+          other.cancel()
+        continue
       self.records[t["key"]] = {**fut.result(), "key": t["key"], "split": t["split"],
                                 "what": t["what"], "fields": t["fields"],
-                                "protocol_sha256": t["protocol_sha256"]}
+                                "protocol_sha256": t["protocol_sha256"],
+                                "code_commit": _code_commit()}
       self.save()
+    if failed is not None:
+      raise failed if isinstance(failed, ProtocolError) else RunFailed(
+          f"a run's process failed: {type(failed).__name__}: {failed}")
 
   def save(self) -> None:
     data = json.loads(self.out.read_text()) if self.out.exists() else {}

@@ -722,3 +722,25 @@ def test_the_readme_time_to_quality_figures_are_the_reports():
       assert figure.replace("−", "-") in report, f"README quotes {figure} ({part}): not in report"
       checked += 1
   assert checked >= 4
+
+
+def test_a_run_that_fails_stops_the_study_and_enters_no_record(tmp_path, monkeypatch):
+  """A missing dataset is an infrastructure failure, not a divergence: the real runner's
+  worker raises, the study stops with that one line, and the part's JSON gets no record
+  (before, each such run was stored as diverged and scored -inf by the selection)."""
+  monkeypatch.setitem(sys.modules, "time_to_quality", ttq)  # the pool pickles its functions
+  protocol = _protocol()
+  part = protocol["parts"]["fashion_mlp"]
+  part["fields"].update(dataset="mnist", data_dir=str(tmp_path / "missing"), num_epochs=1)
+  out = tmp_path / "part.json"
+  runner = ttq.Runner(out, tmp_path / "runs", jobs=1)
+  try:
+    study = ttq.Study(protocol, "fashion_mlp", runner, runner.records)
+    with pytest.raises(ttq.RunFailed) as info:
+      study.select()
+  finally:
+    runner.close()
+  message = str(info.value)
+  assert message.startswith("held_out BP lr x0.5 plain seed 0 failed: DatasetNotFoundError")
+  assert "\n" not in message and "no record was kept" in message
+  assert runner.records == {} and not out.exists()
