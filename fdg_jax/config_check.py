@@ -93,6 +93,7 @@ def validate_fields(config) -> None:
   missing = [k for k in REQUIRED if k not in config]
   if missing:
     _fail(f"config lacks field(s) {', '.join(missing)}; start from configs/default.py")
+  _validate_numbers(config)
   _import_plan_module(config)
   if config.algorithm not in plans.names():
     _fail(f"unknown algorithm {config.algorithm!r}; use "
@@ -193,6 +194,48 @@ def validate_fields(config) -> None:
       _fail(f"lr_milestones={config.lr_milestones!r} must be a sequence of epochs")
     if milestones != sorted(milestones) or any(m <= 0 for m in milestones):
       _fail(f"lr_milestones={tuple(milestones)} must be increasing positive epochs")
+
+
+# Coefficients with a documented range: (low, high, high included); None: unbounded.
+_RANGES = {"dc_lambda": (0.0, None, True), "dc_lambda0": (0.0, None, True),
+           "dc_decay": (0.0, 1.0, False), "nesterov_gamma": (0.0, 1.0, False),
+           "discrepancy_decay": (0.0, 1.0, False), "staleness_strength": (0.0, None, True),
+           "staleness_lr_power": (0.0, None, True), "peer_timeout_s": (0.0, None, True)}
+
+
+def _validate_numbers(config) -> None:
+  """Every number finite, the seed within 64 bits, the model's integer arguments >= 1 and
+  the coefficients in their documented ranges (each one line)."""
+  import math
+
+  def numbers(node, prefix=""):
+    for key in node.keys():
+      value = node[key]
+      if hasattr(value, "keys"):
+        yield from numbers(value, f"{prefix}{key}.")
+      elif isinstance(value, (list, tuple)):
+        for x in value:
+          yield f"{prefix}{key}", x, value
+      else:
+        yield f"{prefix}{key}", value, value
+  for name, x, shown in numbers(config):
+    if isinstance(x, float) and not math.isfinite(x):
+      _fail(f"{name}={shown!r} must be a finite number".replace("=(", "=("))
+  seed = config.seed
+  if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+    _fail(f"seed={seed!r} must be an integer in [0, 2**63)")
+  for key, value in dict(config.get("model_kwargs", {}) or {}).items():
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, int) and not isinstance(v, bool) and v < 1 for v in values):
+      _fail(f"model_kwargs.{key}={value!r}: every size must be an integer >= 1")
+  for key, (low, high, closed) in _RANGES.items():
+    if key not in config or config[key] is None:
+      continue
+    v = config[key]
+    if high is None and v < low:
+      _fail(f"{key}={v} must be >= {low:g}")
+    if high is not None and not (low <= v < high or (closed and v == high)):
+      _fail(f"{key}={v} must lie in [{low:g}, {high:g}{']' if closed else ')'}")
 
 
 def validate(config) -> None:

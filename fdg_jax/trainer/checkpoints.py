@@ -4,12 +4,19 @@ A checkpoint holds everything an exact resume needs (every stage's params, model
 optimizer state and stash, the messages in flight, the tick, the data position). Restoring
 takes the newest checkpoint that restores, setting unreadable ones aside; when none does,
 `CheckpointError` (one line).
+
+Each saved step's files get a sha256 each, in `<workdir>/checkpoint_checksums.json`; a
+restore checks them first, so a step whose bytes changed on disk (bit rot, a bad copy) is
+skipped like a corrupt one, with a line naming the file, and the run goes on from the one
+before it. Steps written before checksums existed restore unchecked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -22,10 +29,28 @@ from fdg_jax.runtime import arrays as runtime_arrays
 from fdg_jax.trainer.metrics import log
 
 CHECKPOINT_DIR = "checkpoints"
+CHECKSUMS_FILE = "checkpoint_checksums.json"  # beside CHECKPOINT_DIR: {step: {file: sha256}}
 
 
 class CheckpointError(UserError):
   """No checkpoint of the workdir can be restored."""
+
+
+class ChecksumMismatch(Exception):
+  """A checkpoint file's bytes differ from the sha256 written when it was saved."""
+
+
+def _file_digests(directory: str) -> dict[str, str]:
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      h = hashlib.sha256()
+      with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+          h.update(chunk)
+      out[os.path.relpath(path, directory)] = h.hexdigest()
+  return out
 
 
 class Checkpointer:
@@ -54,6 +79,41 @@ class Checkpointer:
         data=ocp.args.JsonSave(data_state),
         progress=ocp.args.JsonSave(progress)), force=True)
     self.manager.wait_until_finished()
+    if jax.process_index() == 0:
+      self._write_checksums(step)
+
+  @property
+  def checksums_path(self) -> str:
+    return os.path.join(os.path.dirname(self.directory), CHECKSUMS_FILE)
+
+  def _read_checksums(self) -> dict:
+    try:
+      with open(self.checksums_path) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return {}
+
+  def _write_checksums(self, step: int) -> None:
+    """The sha256 of every file of `step`, kept for the steps orbax keeps."""
+    sums = self._read_checksums()
+    sums[str(step)] = _file_digests(os.path.join(self.directory, str(step)))
+    kept = {str(s) for s in self.manager.all_steps()}
+    sums = {k: v for k, v in sums.items() if k in kept}
+    tmp = self.checksums_path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(sums, f, indent=0, sort_keys=True)
+    os.replace(tmp, self.checksums_path)
+
+  def verify(self, step: int) -> None:
+    """ChecksumMismatch if a file of `step` is not what was saved (unchecked: no sums)."""
+    expected = self._read_checksums().get(str(step))
+    if not expected:
+      return
+    found = _file_digests(os.path.join(self.directory, str(step)))
+    for name, digest in sorted(expected.items()):
+      if found.get(name) != digest:
+        raise ChecksumMismatch(f"{name} " + ("is missing" if name not in found else
+                                             "differs from its checksum"))
 
   def restore_latest(self, target_state):
     """Restores the newest checkpoint that restores; None when there is none at all.
@@ -106,6 +166,7 @@ class Checkpointer:
   def restore(self, step: int, target_state):
     """(state, data position, progress) of checkpoint `step`, in `target_state`'s layout."""
     ocp = self._ocp
+    self.verify(step)
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(runtime_arrays.checkpoint_target(target_state)),
         data=ocp.args.JsonRestore(),

@@ -26,6 +26,7 @@ from fdg_jax.trainer.checkpoints import CHECKPOINT_DIR, Checkpointer
 from fdg_jax.trainer.evaluation import evaluate, nonfinite_part, nonfinite_stage
 from fdg_jax.trainer.metrics import MetricWriter, log, progress_bar, run_label
 from fdg_jax.trainer.prepare import Run, setup
+from fdg_jax.trainer.workdir import WRITE_ERRNOS, WorkdirLock, os_error_line
 
 STALL_STACKS = "stall_stacks.txt"  # where a stalled run writes the stacks of its threads
 
@@ -52,6 +53,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   Raises:
     ConfigError, DatasetNotFoundError, DivergedError, Interrupted (all one-line messages).
   """
+  with WorkdirLock(workdir, enabled=jax.process_index() == 0):
+    try:
+      return _train_and_evaluate(config, workdir)
+    except OSError as e:  # a write that failed: the disk, a limit, permissions
+      if e.errno not in WRITE_ERRNOS:
+        raise
+      raise UserError(os_error_line(e, workdir, "training")) from None
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   run = setup(config, workdir)
   holder: dict = {}
   watchdog = StallWatchdog(config.get("stall_timeout_s", 600),
@@ -117,6 +128,7 @@ class TrainingLoop:
     self.progress = {"wall_time": 0.0, "train_loss_sum": 0.0, "train_acc_sum": 0.0,
                      "train_count": 0}
     self.state, start = self._restore_or_init()
+    run.commit_config()  # config.json and config_changes.jsonl: only now that it restored
     self.last_good = start
     self.step = 0 if start is None else int(start)
     self.writer = MetricWriter(run.workdir, self.step)
@@ -306,7 +318,22 @@ class TrainingLoop:
     if bad is not None:
       self._diverged(f"{bad} non-finite at step {self.step}")
     self.progress["wall_time"] = time.time() - self.run_start
-    self.ckpt.save(self.step, self.state, self.run.train_iter.get_state(), self.progress)
+    try:
+      self.ckpt.save(self.step, self.state, self.run.train_iter.get_state(), self.progress)
+    except Exception as e:  # noqa: BLE001  orbax and tensorstore wrap the OS's error
+      text = " ".join(str(e).split())
+      if not (isinstance(e, OSError) and e.errno in WRITE_ERRNOS) and not any(
+          w in text for w in ("RESOURCE_EXHAUSTED", "No space left", "File too large",
+                              "Read-only file system", "Permission denied", "Disk quota")):
+        raise
+      kept = (f"the checkpoint of step {self.last_good} is kept" if self.last_good is not None
+              else "no checkpoint was saved yet")
+      why = next(w for w in ("RESOURCE_EXHAUSTED", "No space left", "File too large",
+                             "Read-only file system", "Permission denied", "Disk quota", "")
+                 if w in text or not w) or text[:120]
+      raise UserError(f"could not save the checkpoint of step {self.step} in "
+                      f"{self.ckpt.directory} ({why}); {kept}: free space (or raise the "
+                      "limit) and run the same command to resume") from None
     self.last_good = self.step
     self.paused += time.time() - t0
 

@@ -42,6 +42,27 @@ def progress_bar(config, steps_per_epoch, step):
               desc=f"epoch {epoch + 1}/{config.num_epochs}")
 
 
+def _rows_up_to(path: str, step: int) -> list[str]:
+  """The lines of metrics.jsonl up to `step`. A last line cut mid-write (a full disk, a
+  kill) is dropped with a line; an unreadable line before the last is a UserError."""
+  from fdg_jax.config_check import UserError
+  with open(path) as f:
+    lines = [l if l.endswith("\n") else l + "\n" for l in f if l.strip()]
+  keep = []
+  for i, line in enumerate(lines):
+    try:
+      row = json.loads(line)
+    except ValueError:
+      if i == len(lines) - 1:
+        log(f"dropped the last line of {path}, cut mid-write: {line.strip()[:60]!r}")
+        break
+      raise UserError(f"line {i + 1} of {path} is not JSON ({line.strip()[:60]!r}); mend or "
+                      "delete that line, then resume") from None
+    if row.get("step", 0) <= step:
+      keep.append(line)
+  return keep
+
+
 class MetricWriter:
   """metrics.jsonl (one object per evaluation) and TensorBoard scalars."""
 
@@ -53,10 +74,11 @@ class MetricWriter:
       return
     # Drop records written after the checkpoint we resume from: they will be recomputed.
     if os.path.exists(self.path):
-      with open(self.path) as f:
-        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= resume_step]
-      with open(self.path, "w") as f:
+      keep = _rows_up_to(self.path, resume_step)
+      tmp = self.path + ".tmp"
+      with open(tmp, "w") as f:
         f.writelines(keep)
+      os.replace(tmp, self.path)
     try:
       from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))

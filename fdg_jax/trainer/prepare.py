@@ -116,6 +116,7 @@ class Run:
   example: tuple[np.ndarray, np.ndarray]
   params: list | None
   model_states: list | None
+  commit_config: Callable[[], None] = lambda: None  # writes config.json (or the changes)
 
 
 def _feeding(placement) -> dict:
@@ -135,7 +136,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   validate_fields(config)
   setup_cpu_devices(config.num_cpu_devices)
   os.makedirs(workdir, exist_ok=True)
-  _check_or_write_config(config, workdir)
+  commit_config = _check_config(config, workdir)
   model = create_model(config)
   validate_model(config, model)
 
@@ -164,7 +165,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              stages=stages, schedule=schedule, learning_rate=lr, train_iter=train_iter,
              test_iter=test_iter, batch_keys=keys, steps_per_epoch=steps_per_epoch,
              total_steps=total_steps, example=example, params=params,
-             model_states=model_states)
+             model_states=model_states, commit_config=commit_config)
 
 
 def auto_fields(config) -> tuple[dict, str]:
@@ -239,7 +240,12 @@ def _data(config, feeding: dict):
   if config.batch_size > sizes[0]:
     raise ConfigError(f"batch_size={config.batch_size} exceeds the {sizes[0]} {sizes[1]} of "
                       f"{config.dataset}; lower --config.batch_size")
-  test_iter = lambda: make(test_ds, config.eval_batch_size, False)
+  # An evaluation batch above the test split would be padded to its size: one batch of
+  # the split (a multiple of the replicas) does the same work.
+  n_test = test_ds.num_windows if config.dataset == TEXT_DATASET else test_ds.num_examples
+  R = config.num_replicas
+  eval_batch = min(config.eval_batch_size, max(R, -(-n_test // R) * R))
+  test_iter = lambda: make(test_ds, eval_batch, False)
   return make(train_ds, config.batch_size, True), test_iter, shape, dtype, keys
 
 
@@ -310,8 +316,11 @@ _IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset
 _DEFAULTS = {"staleness": "none", "dtype": "float32", "shrink_at": "gradient"}
 
 
-def _check_or_write_config(config, workdir: str) -> None:
-  """Writes config.json, or checks that a resumed run was started with the same method."""
+def _check_config(config, workdir: str) -> Callable[[], None]:
+  """Checks that a resumed run was started with the same method (ConfigError otherwise);
+  returns what writes config.json (a fresh run) or the changed fields' row in
+  config_changes.jsonl (a resume), called once the checkpoint has restored: a resume that
+  fails leaves the workdir's files as they were."""
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json_best_effort())
   if os.path.exists(path) and os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
@@ -331,13 +340,20 @@ def _check_or_write_config(config, workdir: str) -> None:
           "checkpoint holds; keep it on (any N > 0) or off as the run started")
     changed = {key: [saved.get(key), current.get(key)]
                for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)}
-    if changed and jax.process_index() == 0:
-      log(f"resuming {workdir} with a changed config: " + ", ".join(
-          f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()))
-      with open(os.path.join(workdir, CONFIG_CHANGES_FILE), "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                            "changes": changed}) + "\n")
-    return  # keep the config the run was started with (config.json)
-  if jax.process_index() == 0:
-    with open(path, "w") as f:
-      json.dump(current, f, indent=2, sort_keys=True)
+
+    def record_changes():  # keep the config the run was started with (config.json)
+      if changed and jax.process_index() == 0:
+        log(f"resuming {workdir} with a changed config: " + ", ".join(
+            f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()))
+        with open(os.path.join(workdir, CONFIG_CHANGES_FILE), "a") as f:
+          f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "changes": changed}) + "\n")
+    return record_changes
+
+  def write_config():
+    if jax.process_index() == 0:
+      tmp = path + ".tmp"
+      with open(tmp, "w") as f:
+        json.dump(current, f, indent=2, sort_keys=True)
+      os.replace(tmp, path)
+  return write_config
