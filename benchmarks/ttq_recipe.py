@@ -257,8 +257,9 @@ class CoreRunner:
       _signal_group(p, signal.SIGTERM)
     for p in running:
       p.wait()
-    raise RunFailed(f"{task['what']} failed (exit {code}): {_last_line(self.workroot / (task['key'] + '.log'))}"
-                    f"; its log: {self.workroot / (task['key'] + '.log')}; no record was kept")
+    log = self.workroot / f"{task['key']}.log"
+    raise RunFailed(f"{task['what']} failed (exit {code}): {_last_line(log)}; its log: {log}; "
+                    "no record was kept")
 
   def save(self) -> None:
     data = json.loads(self.out.read_text()) if self.out.exists() else {}

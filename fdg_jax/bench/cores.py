@@ -17,8 +17,8 @@ by `jax.distributed` (gloo on loopback, as `python -m fdg_jax.launch`):
   ALG K=k                ALG's K stages, stage k in process k pinned to core k (bp K=k too:
                          the split without overlap, a control)
 
-The configurations start and compile one after the other; then `--rounds` rounds run the configurations one
-at a time in turn (the order rotated each round), `--ticks` ticks a round through
+The configurations start and compile one after the other; then `--rounds` rounds run them
+one at a time in turn (the order rotated each round), `--ticks` ticks a round through
 `schedule.run`, timed to `block_until_ready`. Each process reports its CPU seconds per wall
 second over the round (about 1 for a pinned process that never waits: the check that the
 cores are really working), printed next to the median samples/s and its [min, max].
