@@ -11,6 +11,7 @@ lost peer of a multi-process run, 4 for a run that stalled (`--config.stall_time
 """
 
 import os
+import re
 import sys
 import time
 
@@ -39,6 +40,7 @@ def main(argv):
 
   workdir = _WORKDIR.value or os.path.join(
       "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{config.algorithm}-k{config.num_stages}")
+  resume = "resume with: " + resume_command(sys.argv, workdir)
   try:
     trainer.train_and_evaluate(config, workdir)
   except trainer.ConfigError as e:
@@ -48,7 +50,7 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   except trainer.Interrupted as e:
-    print(str(e), file=sys.stderr)
+    print(_SAME.sub(resume, str(e)), file=sys.stderr)
     sys.exit(128 + e.signum)
   except trainer.CheckpointError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -58,8 +60,28 @@ def main(argv):
     sys.stderr.flush()
     os._exit(1)
   except trainer.UserError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(_SAME.sub(resume, f"error: {e}"), file=sys.stderr)
     sys.exit(1)
+
+
+_SAME = re.compile(r"(?<!re)run the same command to resume")
+
+
+def resume_command(argv: list[str], workdir: str) -> str:
+  """The command that resumes this run: argv with --workdir set to `workdir` (a run without
+  --workdir got a new timestamped one, which the same command would not find again)."""
+  import shlex
+  args, skip = [], False
+  for arg in argv[1:]:
+    if skip:
+      skip = False
+      continue
+    if arg == "--workdir":
+      skip = True
+      continue
+    if not arg.startswith("--workdir="):
+      args.append(arg)
+  return shlex.join(["python", argv[0], *args, "--workdir", workdir])
 
 
 def parse_flags(argv):

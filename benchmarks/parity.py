@@ -193,6 +193,8 @@ def run_one(base, workroot: str, name: str, resume: bool = False, clear: bool = 
       for line in f:
         if line.strip():
           r = json.loads(line)
+          if "test_accuracy" not in r:  # a training-loss or telemetry row
+            continue
           curve.append({k: r[k] for k in ("epoch", "test_accuracy", "test_loss", "train_loss",
                                           "wall_time")})
           curve[-1].update({k: r[k] for k in ("step", "test_loss_se") if k in r})

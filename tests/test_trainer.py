@@ -45,9 +45,12 @@ def tiny_config(**overrides):
   return c
 
 
-def read_metrics(workdir):
+def read_metrics(workdir, kind=None):
+  """The rows of metrics.jsonl: evaluations (and telemetry), or the training rows with
+  kind="train"."""
   with open(os.path.join(workdir, trainer.METRICS_FILE)) as f:
-    return [json.loads(l) for l in f]
+    rows = [json.loads(l) for l in f]
+  return [r for r in rows if r.get("kind") == kind]
 
 
 @pytest.mark.parametrize("algorithm", ["bp", "ddg", "fdg"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ class DivergedError(UserError):
 
 
 class Interrupted(UserError):
-  """SIGINT/SIGTERM: a checkpoint was saved and the run can be resumed."""
+  """SIGINT/SIGTERM/SIGHUP: a checkpoint was saved and the run can be resumed."""
 
   def __init__(self, msg: str, signum: int):
     super().__init__(msg)
@@ -139,6 +140,8 @@ class TrainingLoop:
     self.run_start = time.time() - self.progress["wall_time"]
     self.final: dict = {}
     self.bar = None
+    self.compiled = False  # whether the first tick (which compiles) has been dispatched
+    self.since_log = {"loss": 0.0, "count": 0, "time": time.time(), "step": self.step}
     self._start_epoch_clock()
 
   # ---- start -----------------------------------------------------------------------------
@@ -203,6 +206,13 @@ class TrainingLoop:
 
   def train_until_next_boundary(self) -> None:
     """One `schedule.run` call up to the next boundary; its losses stay on the device."""
+    if not self.compiled:
+      self.compiled = True
+      if jax.process_index() == 0:
+        cached = jax.config.jax_compilation_cache_dir
+        log(f"compiling the first tick's programs ({run_label(self.config)}, "
+            f"{self.config.num_stages} stage(s)): "
+            + (f"cached in {cached} for the next run" if cached else "not cached"))
     if self.bar is None and self.config.progress_bar:
       self.bar = progress_bar(self.config, self.run.steps_per_epoch, self.step)
     num_ticks = self.ticks_to_next_boundary()
@@ -230,6 +240,8 @@ class TrainingLoop:
       where = f"stage {k}'s parameters" if k is not None else "the loss"
       self._diverged(f"non-finite loss at step {bad} ({where} non-finite by step "
                      f"{self.step})")
+    self.since_log["loss"] += float(losses.sum())
+    self.since_log["count"] += int(losses.size)
     self.progress["train_loss_sum"] += float(losses.sum())
     self.progress["train_acc_sum"] += float(accs.sum())
     self.progress["train_count"] += int(losses.size)
@@ -242,8 +254,25 @@ class TrainingLoop:
 
   # ---- reporting ---------------------------------------------------------------------------
   def log_progress(self) -> None:
-    """At a log step: reads the pending losses and updates the progress bar."""
+    """At a log step: reads the pending losses, writes a training row to metrics.jsonl
+    ("kind": "train": the mean loss since the last one) and updates the progress bar, or,
+    where no bar shows (no terminal: nohup, a batch job, CI), prints a line."""
     self.flush_losses()
+    now, since = time.time(), self.since_log
+    if since["count"]:
+      rate = self.config.batch_size * (self.step - since["step"]) / max(now - since["time"], 1e-9)
+      row = {"kind": "train", "step": self.step, "epoch": self.step / self.run.steps_per_epoch,
+             "train_loss": since["loss"] / since["count"], "samples_per_second": rate,
+             "wall_time": now - self.run_start}
+      self.writer.write(row)
+      if (self.bar is None or self.bar.disable) and jax.process_index() == 0:
+        eta = (self.run.total_steps - self.step) * (now - since["time"]) / max(
+            self.step - since["step"], 1)
+        print(f"step {self.step}/{self.run.total_steps} (epoch "
+              f"{self.step // self.run.steps_per_epoch + 1}/{self.config.num_epochs}): loss "
+              f"{row['train_loss']:.4f}, {rate:,.0f} examples/s, ETA {_duration(eta)}",
+              file=sys.stderr, flush=True)
+    self.since_log = {"loss": 0.0, "count": 0, "time": now, "step": self.step}
     p = self.progress
     if self.bar is not None and p["train_count"]:
       self.bar.set_postfix(loss=p["train_loss_sum"] / p["train_count"],
@@ -380,13 +409,21 @@ class TrainingLoop:
             "params": runtime_arrays.fetch(self.schedule.params(self.state))}
 
 
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  if seconds >= 3600:
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+  return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 def _mean(total, count):
   return total / count if count else None  # null in metrics.jsonl: no batch reached the loss
 
 
 @contextlib.contextmanager
 def _stop_on_signals():
-  """Turns SIGINT/SIGTERM into a flag checked between ticks (main thread only)."""
+  """Turns SIGINT/SIGTERM/SIGHUP (a closed terminal) into a flag checked between ticks
+  (main thread only)."""
   flag: dict[str, Any] = {"signum": None}
   previous: dict = {}
 
@@ -396,7 +433,9 @@ def _stop_on_signals():
     signal.signal(signum, previous.get(signum, signal.SIG_DFL))  # a second signal is not caught
 
   try:
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+      if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+        continue  # under nohup a closed terminal must not stop the run
       previous[s] = signal.signal(s, handler)
   except ValueError:  # not the main thread: no signal handling
     previous = {}
