@@ -320,17 +320,10 @@ def _mean_curve(records: list[dict], axis: str) -> list[tuple[float, float]]:
 
 
 def crossing(curve: list[tuple[float, float]], target: float) -> float | None:
-  """The first x at which the curve (linear between points, from its first) reaches
-  `target`; None if it never does."""
-  prev = None
-  for x, y in curve:
-    if y >= target:
-      if prev is None:
-        return x
-      x0, y0 = prev
-      return x0 + (target - y0) / (y - y0) * (x - x0) if y != y0 else x
-    prev = (x, y)
-  return None
+  """The first x at which the curve (linear between points) reaches `target`; None if it
+  never does (the study's own `steps_to_reach`, on any axis)."""
+  from time_to_quality import steps_to_reach
+  return steps_to_reach(curve, target)
 
 
 def summarise(protocol: dict, part: str, records: dict) -> dict:
