@@ -83,8 +83,12 @@ def pilot_task(protocol: dict, part: str) -> dict:
 
 
 def _cell_fields(cell: dict) -> dict:
-  return {"algorithm": cell["algorithm"], "num_stages": cell["num_stages"],
-          "beta": float(cell.get("beta", 1.0))}
+  """The config fields a cell sets: its schedule, K, beta and (where it fixes one) split."""
+  out = {"algorithm": cell["algorithm"], "num_stages": cell["num_stages"],
+         "beta": float(cell.get("beta", 1.0))}
+  if "split" in cell:
+    out["split"] = cell["split"]
+  return out
 
 
 def cell_tasks(protocol: dict, part: str) -> dict[str, list[dict]]:

@@ -35,6 +35,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                # optimisers, which ignore a constant gradient scale)
   c.backward = "stash"         # stash | recompute
   c.split = "uniform"          # uniform | balanced | paper | "3,6,9" (explicit boundaries)
+  c.split_cost = "flops"       # what split=balanced balances: flops | bytes (XLA's counts) |
+                               # time (each block timed on this machine: the fastest
+                               # pipeline here, but it can differ between machines; for a
+                               # run that must repeat, give its boundaries)
   # The model and data.
   c.model = "mlp"              # mlp | cnn | resnet20..resnet1202 | resnet18..resnet101 |
                                # wrn28_10 | vit | gpt (`fdg_jax.models.names()`)

@@ -316,6 +316,10 @@ def validate_model(config, model) -> None:
     split = partition.parse_split(config.split)
   except ValueError as e:
     _fail(str(e))
+  cost = config.get("split_cost", "flops")
+  if cost not in partition.COSTS:
+    _fail(f"split_cost={cost!r} is not one of {', '.join(partition.COSTS)}; "
+          f"use --config.split_cost=flops")
   if isinstance(split, list):
     try:
       partition.check_boundaries(split, K, model.num_blocks)

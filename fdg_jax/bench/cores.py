@@ -2,7 +2,7 @@
 
     python -m fdg_jax.bench cores [--model resnet20] [--model_kwargs '{"width": 8}']
         [--batch_size 128] [--stages 2] [--algorithms bp ddg fdg] [--replicas 2]
-        [--ticks 8] [--rounds 5] [--out F.json]
+        [--split balanced] [--split_cost time] [--ticks 8] [--rounds 5] [--out F.json]
 
 Forced XLA:CPU devices of one process share its thread pool, so they time contention, not
 concurrency. Here every configuration is its own set of processes, each held to its cores
@@ -16,6 +16,12 @@ by `jax.distributed` (gloo on loopback, as `python -m fdg_jax.launch`):
                          gradients averaged: what a user with R devices tries first)
   ALG K=k                ALG's K stages, stage k in process k pinned to core k (bp K=k too:
                          the split without overlap, a control)
+
+A K-stage row's boundaries are found once, before any row starts, by a process pinned to the
+first core (`--split balanced --split_cost time`, the default: the split whose slowest stage
+is fastest when each block is timed on this machine's core; `--split_cost flops` balances
+XLA's FLOP counts, `--split 3` gives the boundaries), and every process of every row gets
+the same ones; the table and `--out` print them.
 
 The configurations start and compile one after the other; then `--rounds` rounds run them
 one at a time in turn (the order rotated each round), `--ticks` ticks a round through
@@ -54,6 +60,10 @@ def parse_args(argv=None):
   p.add_argument("--algorithms", nargs="+", default=["bp", "ddg", "fdg"])
   p.add_argument("--replicas", type=int, default=2, help="R of the data-parallel BP row "
                  "(1: no such row)")
+  p.add_argument("--split", default="balanced", help='"balanced", "uniform" or boundaries '
+                 'such as "3" (K=2) or "2,3,5" (K=4)')
+  p.add_argument("--split_cost", default="time", choices=("flops", "bytes", "time"),
+                 help="what --split balanced balances (time: each block timed here)")
   p.add_argument("--ticks", type=int, default=8, help="ticks a timed round")
   p.add_argument("--rounds", type=int, default=5, help="timed rounds of each configuration")
   p.add_argument("--out", default=None, help="also write the rows to this JSON file")
@@ -90,8 +100,43 @@ def _loss(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+def split_worker(spec: dict) -> None:
+  """The boundaries of each K in spec["split_for"], printed once (the parent's one source)."""
+  from fdg_jax import models, partition
+  import jax.numpy as jnp
+  model = models.create(spec["model"], num_classes=10, **(spec["model_kwargs"] or {}))
+  x = jnp.zeros((spec["batch_size"],) + tuple(spec["input_shape"]), jnp.float32)
+  how = partition.parse_split(spec["split"])
+  out = {str(k): [int(b) for b in partition.boundaries(model, k, how, example_input=x,
+                                                      cost=spec["split_cost"])]
+         for k in spec["split_for"]}
+  print(MARK + json.dumps(out), flush=True)
+
+
+def boundaries(args, cores: list[int], ks: list[int]) -> dict[int, list[int]]:
+  """{K: boundaries} for the K-stage rows, from one process pinned to the first core."""
+  if not ks:
+    return {}
+  spec = {"model": args.model, "model_kwargs": args.model_kwargs, "batch_size":
+          args.batch_size, "input_shape": args.input_shape, "split": args.split,
+          "split_cost": args.split_cost, "split_for": ks}
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+  got = subprocess.run([sys.executable, "-m", "fdg_jax.bench", "cores", "--worker",
+                        json.dumps(spec)], env=env, capture_output=True, text=True,
+                       preexec_fn=lambda: os.sched_setaffinity(0, {cores[0]}))
+  line = next((l for l in got.stdout.splitlines() if l.startswith(MARK)), None)
+  if got.returncode or line is None:
+    raise SystemExit(f"error: finding the split failed ({got.returncode}): "
+                     f"{(got.stderr.strip().splitlines() or [''])[-1]}")
+  return {int(k): v for k, v in json.loads(line[len(MARK):]).items()}
+
+
 def worker(spec: dict) -> None:
   """One process of one configuration: builds, compiles, then times a round per "go"."""
+  if "split_for" in spec:
+    split_worker(spec)
+    return
   from fdg_jax import runtime
   runtime.initialize()
   import jax
@@ -105,7 +150,7 @@ def worker(spec: dict) -> None:
   shape = tuple(spec["input_shape"])
   x1 = np.zeros((1,) + shape, np.float32)
   K, R, B, T = spec["num_stages"], spec["replicas"], spec["batch_size"], spec["ticks"]
-  bounds = partition.boundaries(model, K, "balanced", example_input=x1) if K > 1 else []
+  bounds = list(spec["bounds"]) if K > 1 else []
   stages = partition.stages_from_boundaries(model, bounds)
   params, states = fdg_jax.init_stages(stages, jax.random.PRNGKey(0), x1)
   where = choose_placement(K, R, "auto")
@@ -186,13 +231,17 @@ class Group:
 def measure(args) -> list[dict]:
   cores = sorted(os.sched_getaffinity(0))
   rows = configurations(args, cores)
+  bounds = boundaries(args, cores, sorted({r["num_stages"] for r in rows if r["num_stages"] > 1}))
+  for r in rows:
+    r["boundaries"] = bounds.get(r["num_stages"], [])
   spec = {k: getattr(args, k) for k in ("model", "model_kwargs", "input_shape", "batch_size",
                                         "ticks")}
   groups = []
   try:
     for r in rows:  # one at a time: a process compiling beside others can miss gloo's
       groups.append(Group(r, {**spec, "algorithm": r["algorithm"],  # 30 s rendezvous
-                              "num_stages": r["num_stages"], "replicas": r["replicas"]}))
+                              "num_stages": r["num_stages"], "replicas": r["replicas"],
+                              "bounds": r["boundaries"]}))
       groups[-1].ready()
     walls = {r["name"]: [] for r in rows}
     cpu = {r["name"]: [] for r in rows}
@@ -213,7 +262,7 @@ def measure(args) -> list[dict]:
     out.append({"name": r["name"], "algorithm": r["algorithm"], "num_stages": r["num_stages"],
                 "replicas": r["replicas"], "processes": len(r["cores"]),
                 "cores": len({c for cs in r["cores"] for c in cs}),
-                "core_sets": r["cores"], "samples_per_s": samples / statistics.median(w),
+                "core_sets": r["cores"], "boundaries": r["boundaries"], "samples_per_s": samples / statistics.median(w),
                 "samples_per_s_min": samples / max(w), "samples_per_s_max": samples / min(w),
                 "step_s": statistics.median(w) / args.ticks, "round_walls_s": w,
                 "cpu_per_wall": per_process})
@@ -227,6 +276,11 @@ def table(rows: list[dict], args) -> str:
   head = (f"{args.model} {json.dumps(args.model_kwargs or {})}, batch {args.batch_size}, "
           f"input {'x'.join(map(str, args.input_shape))}, {args.ticks} ticks a round, "
           f"{args.rounds} rounds in turn; median [min, max]")
+  splits = sorted({(r["num_stages"], tuple(r["boundaries"])) for r in rows if r["boundaries"]})
+  if splits:
+    head += "\nsplit " + args.split + (f" by {args.split_cost}" if args.split == "balanced"
+                                        else "") + ": " + "; ".join(
+        f"K={k} boundaries {list(b)}" for k, b in splits)
   lines = [head, "", "| configuration | cores | processes | samples/s | step s | speed-up over "
            "bp, 1 core | CPU s per wall s, each process |", "|---|---|---|---|---|---|---|"]
   for r in rows:

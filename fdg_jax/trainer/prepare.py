@@ -151,8 +151,11 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     total_steps = min(total_steps, config.max_steps)
 
   x1 = jnp.zeros((1,) + shape, dtype)
+  cost = config.get("split_cost", "flops")
   bounds = partition.boundaries(model, config.num_stages, partition.parse_split(config.split),
-                                example_input=x1)
+                                example_input=x1 if cost != "time" else jnp.zeros(
+                                    (max(1, config.batch_size // max(1, config.get(
+                                        "num_replicas", 1))),) + shape, dtype), cost=cost)
   stages = partition.stages_from_boundaries(model, bounds)
   params, model_states = fdg_jax.init_stages(stages, jax.random.PRNGKey(config.seed), x1)
   compute_dtype = precision.DTYPES[config.get("dtype", "float32")]
@@ -308,12 +311,13 @@ def staleness_hparams(config, steps_per_epoch: int) -> dict:
 
 
 _IDENTITY_FIELDS = ("algorithm", "num_stages", "model", "model_kwargs", "dataset",
-                    "batch_size", "seed", "split", "backward", "beta", "num_replicas",
+                    "batch_size", "seed", "split", "split_cost", "backward", "beta", "num_replicas",
                     "staleness", "dtype", "optimizer", "shrink_at")
 
 
 # The identity fields that runs of older versions lack, as those runs had them.
-_DEFAULTS = {"staleness": "none", "dtype": "float32", "shrink_at": "gradient"}
+_DEFAULTS = {"staleness": "none", "dtype": "float32", "shrink_at": "gradient",
+             "split_cost": "flops"}
 
 
 def _check_config(config, workdir: str) -> Callable[[], None]:
