@@ -4,7 +4,7 @@
     viz.spacetime(tr, ax=ax)                          # the space-time diagram
     tr.measured_delays()                              # == schedule.delays
 
-Nothing here is drawn from the rules in ALGORITHMS.md: the trace records what the library did.
+Nothing here is drawn from the rules in docs/algorithms.md: the trace records what the library did.
 
 - Updates: `metrics["updated"][k]` of `Schedule.step`, the index of the batch whose gradient
   stage k applied at the tick (None if it did not update).

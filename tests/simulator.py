@@ -1,4 +1,4 @@
-"""An independent, eager reference of the schedules in ALGORITHMS.md (no library code).
+"""An independent, eager reference of the schedules in docs/algorithms.md (no library code).
 
 Python lists as stashes, explicit message dictionaries between ticks, shrinking applied the way
 the FDG paper describes it (each stage scales the cotangent it receives by beta, so the
@@ -19,7 +19,7 @@ import optax
 
 def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backward="stash",
              probe_ticks=(), loss_fn=None, keys=None):
-  """Plain-Python BP/DDG/FDG per ALGORITHMS.md. Returns (params, states, updated-per-tick).
+  """Plain-Python BP/DDG/FDG per docs/algorithms.md. Returns (params, states, updated-per-tick).
 
   `opt`: one optax transform, or one per stage; a transform with a `forward(params, state)`
   hook (fdg_jax.staleness) is asked, right before each forward of its stage, for the weights
@@ -159,7 +159,7 @@ def simulate(algorithm, applies, params, states, opt, data, *, beta=1.0, backwar
 
 def simulate_microbatched(applies, params, states, opt, data, microbatches, *, loss_fn=None,
                           keys=None):
-  """Plain-Python synchronous pipeline (GPipe, 1F1B) per ALGORITHMS.md: each batch cut into
+  """Plain-Python synchronous pipeline (GPipe, 1F1B) per docs/algorithms.md: each batch cut into
   M equal micro-batches, every stage's gradient the mean of the micro-batches' (the loss of
   micro-batch m is its own mean, divided by M), one update per stage per batch. The order of
   the forwards and backwards across devices does not enter: with no delay, it cannot change

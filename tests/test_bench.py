@@ -71,7 +71,7 @@ def test_predict_matches_hand_computation():
 
 
 def _closed_forms(f, b, c):
-  """ALGORITHMS.md's tick orders as closed forms (the model before ticks were derived from
+  """docs/algorithms.md's tick orders as closed forms (the model before ticks were derived from
   plans): DDG synchronous, FDG and DDG asynchronous exactly; FDG synchronous as the bound
   max w + max c (stage k's messages cross its own boundaries only)."""
   K = len(f)

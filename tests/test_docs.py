@@ -104,3 +104,47 @@ def test_python_lines_are_at_most_100_columns():
           if len(line) > 100
           and not any(line.startswith(d) for d in LONG_DATA_LINES.get(name, ()))]
   assert not long, long
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _relative_links(path: pathlib.Path) -> list[str]:
+  """The relative link targets of a Markdown page or of a notebook's Markdown cells."""
+  if path.suffix == ".ipynb":
+    import json
+    cells = json.loads(path.read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+  else:
+    text = path.read_text()
+  return [t for t in _LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
+
+
+@pytest.mark.parametrize("page", PAGES + sorted((ROOT / "notebooks").glob("*.ipynb")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_names_a_file_of_the_repository(page):
+  missing = _missing_links(page)
+  assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+def _missing_links(page: pathlib.Path) -> list[str]:
+  return [t for t in _relative_links(page) if not (page.parent / t.split("#")[0]).exists()]
+
+
+def test_the_link_check_sees_links_and_a_broken_one(tmp_path):
+  page = tmp_path / "p.md"
+  page.write_text("see [a](a.md), [web](https://x.org), [here](#top) and [b](sub/b.md#x)\n")
+  (tmp_path / "a.md").write_text("")
+  assert _relative_links(page) == ["a.md", "sub/b.md#x"]
+  assert _missing_links(page) == ["sub/b.md#x"]
+
+
+def test_no_file_cites_a_spec_outside_the_repository():
+  """The specification of the tick orders is docs/algorithms.md, inside the repository."""
+  files = [ROOT / "README.md", ROOT / "train.py"] + [
+      p for d in ("fdg_jax", "tests", "docs", "notebooks", "benchmarks", "configs")
+      for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md", ".ipynb")]
+  cited = [str(p.relative_to(ROOT)) for p in files if p.name != "test_docs.py"
+           and "ALGORITHMS.md" in p.read_text(errors="ignore")]
+  assert not cited, cited
+  assert (ROOT / "docs" / "algorithms.md").exists()

@@ -76,7 +76,7 @@ def test_every_block_takes_train(name):
 
 
 def test_paper_splits():
-  # ALGORITHMS.md, "Splits used by the FDG reference code" (block 0 = stem / conv1).
+  # docs/algorithms.md, "Splits used by the FDG reference code" (block 0 = stem / conv1).
   assert models.create("resnet56").paper_splits == {2: (14,), 4: (7, 14, 21)}
   assert models.create("resnet110").paper_splits == {4: (14, 28, 42)}
   assert models.create("wrn28_10").paper_splits == {2: (7,)}

@@ -78,7 +78,7 @@ def test_quickstart_runs(monkeypatch):
 
 def test_staleness_runs(monkeypatch):
   text, images, markdown = outputs(execute("staleness.ipynb", monkeypatch))
-  assert "the recorded ticks agree with ALGORITHMS.md for bp, ddg, fdg" in text
+  assert "the recorded ticks agree with docs/algorithms.md for bp, ddg, fdg" in text
   assert "fdg: delays (6, 4, 2, 0)" in text and "ddg: delays (3, 2, 1, 0)" in text
   # The delay table: one row per stage, declared and measured delays side by side.
   assert markdown and markdown[0].count("(measured ") == 3 * 4

@@ -1,4 +1,4 @@
-"""Schedules as data: the plans' derived delays, rings and warm-up against ALGORITHMS.md's
+"""Schedules as data: the plans' derived delays, rings and warm-up against docs/algorithms.md's
 closed forms; a plan of one's own against an independent reference; GPipe and 1F1B against
 BP (one device and K), their per-device orders and stash peaks."""
 
@@ -15,7 +15,7 @@ from toy_models import assert_trees_close, batches, loss_fn, make_model
 
 # ------------------------------------------------------------------------------ BP, DDG, FDG
 def closed_form(name, K):
-  """ALGORITHMS.md: delays, ring sizes, first forward and first backward tick per stage."""
+  """docs/algorithms.md: delays, ring sizes, first forward and first backward tick per stage."""
   d = [K - 1 - k for k in range(K)]
   if name == "bp":
     return [0] * K, [1] * (K - 1) + [0], [0] * K, [0] * K

@@ -1,6 +1,6 @@
 """Runtime: per-stage devices without implicit transfers or host syncs, DP x FDG on a mesh.
 
-Data parallelism is checked against its definition (ALGORITHMS.md, "DP x FDG"): R replicas
+Data parallelism is checked against its definition (docs/algorithms.md, "DP x FDG"): R replicas
 fed the shards of a global batch end with the parameters of one replica fed all of it.
 """
 

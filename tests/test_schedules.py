@@ -1,7 +1,7 @@
 """The BP, DDG and FDG schedules against independent references.
 
 The reference simulator (`simulator.simulate`) is a literal, eager transcription of
-ALGORITHMS.md that shares no code with the library; BP is also checked against the unsplit
+docs/algorithms.md that shares no code with the library; BP is also checked against the unsplit
 model.
 """
 

@@ -152,7 +152,7 @@ def predict(times: Sequence[dict], transfers: Sequence[float],
 
   The models assume full-duplex links, a transfer not overlapped with the compute of the same
   stage, and a stage's time unchanged when it runs beside others. For BP, DDG and FDG the
-  plan-derived ticks equal the closed forms of ALGORITHMS.md's tick orders (tested): DDG
+  plan-derived ticks equal the closed forms of docs/algorithms.md's tick orders (tested): DDG
   synchronous max_k of a_k + f_k + b_k + c_{k-1} with a_k = sum_{j<k} (f_j + c_j); FDG
   asynchronous max(max_k w_k, max_k (w_k + w_{k+1} + 2 c_k) / 2); DDG asynchronous the
   heaviest cycle max_{j<=m} (sum_{i=j..m} w_i + 2 sum_{i=j..m-1} c_i) / (m - j + 1).

@@ -134,7 +134,7 @@ def cifar_resnet(depth: int, num_classes: int = 10, *, shortcut: str = "A", widt
 
 
 def _cifar_paper_splits(depth: int, n: int) -> dict:
-  """Splits of the FDG reference code (ALGORITHMS.md), as block indices.
+  """Splits of the FDG reference code (docs/algorithms.md), as block indices.
 
   layerG[:j] ends at block 1 + (G-1)n + j (block 0 is the stem).
   """
