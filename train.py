@@ -41,6 +41,7 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.join(
       "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{config.algorithm}-k{config.num_stages}")
   resume = "resume with: " + resume_command(sys.argv, workdir)
+  _STATE["resume"] = resume
   try:
     trainer.train_and_evaluate(config, workdir)
   except trainer.ConfigError as e:
@@ -65,6 +66,15 @@ def main(argv):
 
 
 _SAME = re.compile(r"(?<!re)run the same command to resume")
+_STATE = {"resume": None}  # main's resume line, for a Ctrl-C that no handler catches
+
+
+def stopped_at_once() -> str:
+  """The line for a KeyboardInterrupt that reached the top: Ctrl-C before training's signal
+  handler was in place (set-up), or a second Ctrl-C (which stops at once, even in a save)."""
+  how = (_STATE["resume"] or "rerun: " + " ".join(["python", *sys.argv]))
+  return ("interrupted: stopped at once (Ctrl-C during set-up, or a second Ctrl-C); the "
+          "newest complete checkpoint is kept, an unfinished save is skipped on resume; " + how)
 
 
 def resume_command(argv: list[str], workdir: str) -> str:
@@ -127,4 +137,10 @@ if __name__ == "__main__":
     # One process of several: train in a child, so that a lost peer (whose news JAX turns
     # into an abort of this process) ends it with one line and exit code 3.
     sys.exit(peers.supervise(sys.argv))
-  app.run(main, flags_parser=parse_flags)
+  try:
+    app.run(main, flags_parser=parse_flags)
+  except KeyboardInterrupt:
+    print(stopped_at_once(), file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + 2)  # orbax's and the loader's threads may be mid-write: no teardown

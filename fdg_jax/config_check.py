@@ -126,6 +126,9 @@ def validate_fields(config) -> None:
   if config.dataset not in data.list_datasets() and config.dataset != TEXT_DATASET:
     _fail(f"unknown dataset {config.dataset!r}; known: "
           f"{', '.join(data.list_datasets() + [TEXT_DATASET])}")
+  if config.dataset == TEXT_DATASET and "seq_len" not in config:
+    _fail(f"dataset={TEXT_DATASET} trains a language model, which this config is not made "
+          "for (it has no seq_len, model gpt, ...): use --config configs/lm.py")
   if config.dataset == TEXT_DATASET and config.get("seq_len", 0) < 2:
     _fail("the text dataset needs --config.seq_len >= 2 (tokens per window)")
   if not isinstance(config.num_stages, int) or config.num_stages < 1:

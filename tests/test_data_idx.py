@@ -284,3 +284,15 @@ def test_trainer_trains_on_real_fashion_mnist(tmp_path):
   assert result["test_accuracy"] == record["test_accuracy"] > 0.6, record
   assert record["test_loss"] < 0.5 * np.log(10)
   assert record["train_loss"] < np.log(10)
+
+
+def test_a_data_dir_that_is_missing_or_a_file_is_refused_not_passed_over(unchecked, tmp_path):
+  write_split(unchecked, "train", *small_split(5, seed=5))  # an installed copy to fall back on
+  with pytest.raises(data.DatasetNotFoundError) as info:
+    data.load("fashion_mnist", "train", str(tmp_path / "typo"))
+  assert_one_line(info.value, f"data_dir {tmp_path / 'typo'} does not exist",
+                  "leave data_dir unset")
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(data.DatasetNotFoundError) as info:
+    data.load("fashion_mnist", "train", str(tmp_path / "afile"))
+  assert_one_line(info.value, "is a file, not a folder")

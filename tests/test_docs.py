@@ -148,3 +148,15 @@ def test_no_file_cites_a_spec_outside_the_repository():
            and "ALGORITHMS.md" in p.read_text(errors="ignore")]
   assert not cited, cited
   assert (ROOT / "docs" / "algorithms.md").exists()
+
+
+def test_the_bench_cores_table_is_what_its_json_prints():
+  marker = ("<!-- bench cores: written by `python -m fdg_jax.bench cores --report "
+            "docs/results/bench_cores_cpu.json` -->")
+  text = (ROOT / "docs" / "benchmarks.md").read_text()
+  assert marker in text
+  out = subprocess.run([sys.executable, "-m", "fdg_jax.bench", "cores", "--report",
+                        "docs/results/bench_cores_cpu.json"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert marker + "\n" + out.stdout.strip() + "\n" in text

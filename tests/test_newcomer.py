@@ -67,3 +67,42 @@ def test_a_closed_terminal_saves_and_stops_like_sigterm(tmp_path):
   code, line = _interrupt(tmp_path, signal.SIGHUP)
   assert code == 128 + signal.SIGHUP and line.startswith("SIGHUP: stopped at step"), line
   assert "checkpoint saved" in line
+
+
+def _quick_run(cwd):
+  cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/default.py"),
+         "--config.num_epochs=300", "--config.progress_bar=False"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def test_ctrl_c_during_set_up_is_one_line(tmp_path):
+  run = _quick_run(tmp_path)
+  time.sleep(1.5)  # importing JAX and building the run: no handler of the loop yet
+  run.send_signal(signal.SIGINT)
+  out, err = run.communicate(timeout=120)
+  assert run.returncode == 128 + signal.SIGINT, err
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+  assert err.strip().splitlines()[-1].startswith("interrupted"), err
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes(tmp_path):
+  run = _quick_run(tmp_path)
+  end = time.time() + 120
+  while time.time() < end and not [d for d in (tmp_path / "runs").glob("*/checkpoints/*")
+                                   if d.name.isdigit()]:  # a finished save
+    time.sleep(0.05)
+  run.send_signal(signal.SIGINT)
+  time.sleep(0.02)  # the first sets the loop's flag; the second lands in its save or in set-up
+  run.send_signal(signal.SIGINT)
+  out, err = run.communicate(timeout=120)
+  assert run.returncode == 128 + signal.SIGINT, err
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+  line = err.strip().splitlines()[-1]
+  assert "resume with: " in line, line
+  command = shlex.split(line.split("resume with: ", 1)[1])
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  p = subprocess.run([sys.executable, *command[1:], "--config.max_steps=100"], cwd=tmp_path,
+                     env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0 and "resumed from step" in p.stdout, p.stdout + p.stderr

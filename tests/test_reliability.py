@@ -128,6 +128,8 @@ def test_a_metrics_line_cut_mid_write_is_dropped_on_resume(tmp_path, capfd):
     ("--config.model_kwargs.widths=(32,-4)", "model_kwargs.widths"),
     ("--config.dc_lambda=-0.5", "dc_lambda=-0.5 must be >= 0"),
     ("--config.nesterov_gamma=1.5", "nesterov_gamma=1.5 must lie in [0, 1)"),
+    ("--config.split_cost=gpu", "split_cost='gpu' is not one of flops, bytes, time"),
+    ("--config.dataset=stdlib_text", "use --config configs/lm.py"),
 ])
 def test_bad_values_are_refused_in_one_line_before_training(tmp_path, flag, words):
   p = _train_cli(tmp_path / "run", flag)
@@ -162,3 +164,48 @@ def test_eval_batch_size_above_the_test_split_is_clamped(tmp_path):
   c = tiny_config(num_epochs=1, eval_batch_size=10 ** 8)
   result = trainer.train_and_evaluate(c, str(tmp_path))
   assert np.isfinite(result["test_loss"])
+
+
+def test_fewer_devices_than_stages_is_said_or_refused(capsys):
+  assert len(jax.devices()) == 4  # conftest
+  with pytest.raises(trainer.ConfigError, match="engine=per_stage puts stage k on device k: "
+                     "8 stages, found 4 devices"):
+    trainer.choose_placement(8, 1, "per_stage")
+  where = trainer.choose_placement(8, 1, "auto")
+  assert where["devices"] is None  # every stage in one program
+  assert "4 devices for 8 stages: every stage runs on" in capsys.readouterr().out
+  trainer.choose_placement(4, 1, "auto")  # a device per stage possible: nothing to say
+  assert "devices for" not in capsys.readouterr().out
+
+
+def test_turning_momentum_off_on_a_resume_is_refused_and_writes_nothing(tmp_path):
+  c = tiny_config(optimizer="sgd", momentum=0.9, max_steps=10)
+  trainer.train_and_evaluate(c, str(tmp_path))
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()
+            and "tensorboard" not in str(p) and p.name != "run.lock"}
+  with pytest.raises(trainer.ConfigError, match=r"momentum=0\.0 turns that part of the sgd "
+                     r"optimiser off.*resume with any momentum > 0"):
+    trainer.train_and_evaluate(tiny_config(optimizer="sgd", momentum=0.0), str(tmp_path))
+  after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()
+           and "tensorboard" not in str(p) and p.name != "run.lock"}
+  assert before == after and not (tmp_path / trainer.CONFIG_CHANGES_FILE).exists()
+  # Another non-zero momentum is a change the resume takes (and records).
+  trainer.train_and_evaluate(tiny_config(optimizer="sgd", momentum=0.5, max_steps=20),
+                             str(tmp_path))
+  assert (tmp_path / trainer.CONFIG_CHANGES_FILE).exists()
+
+
+def test_labels_outside_the_classes_are_refused_where_the_data_enters(monkeypatch, tmp_path):
+  from fdg_jax import data
+  real = data.load
+
+  def shifted(name, split="train", data_dir=None, **kw):
+    ds = real(name, split, data_dir, **kw)
+    if split == "test":
+      ds.labels = ds.labels.copy()
+      ds.labels[3] = -1  # what a loader that marks unlabelled examples with -1 gives
+    return ds
+  monkeypatch.setattr(data, "load", shifted)
+  with pytest.raises(trainer.UserError, match=r"digits test: label -1 lies outside \[0, 10\)"):
+    trainer.train_and_evaluate(tiny_config(max_steps=3), str(tmp_path))
+  assert not (tmp_path / "checkpoints").exists()

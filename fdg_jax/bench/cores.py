@@ -3,6 +3,7 @@
     python -m fdg_jax.bench cores [--model resnet20] [--model_kwargs '{"width": 8}']
         [--batch_size 128] [--stages 2] [--algorithms bp ddg fdg] [--replicas 2]
         [--split balanced] [--split_cost time] [--ticks 8] [--rounds 5] [--out F.json]
+    python -m fdg_jax.bench cores --report F.json     # the table of a saved run
 
 Forced XLA:CPU devices of one process share its thread pool, so they time contention, not
 concurrency. Here every configuration is its own set of processes, each held to its cores
@@ -67,6 +68,8 @@ def parse_args(argv=None):
   p.add_argument("--ticks", type=int, default=8, help="ticks a timed round")
   p.add_argument("--rounds", type=int, default=5, help="timed rounds of each configuration")
   p.add_argument("--out", default=None, help="also write the rows to this JSON file")
+  p.add_argument("--report", default=None, metavar="F.json",
+                 help="print the table of a file --out wrote, measuring nothing")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -262,7 +265,8 @@ def measure(args) -> list[dict]:
     out.append({"name": r["name"], "algorithm": r["algorithm"], "num_stages": r["num_stages"],
                 "replicas": r["replicas"], "processes": len(r["cores"]),
                 "cores": len({c for cs in r["cores"] for c in cs}),
-                "core_sets": r["cores"], "boundaries": r["boundaries"], "samples_per_s": samples / statistics.median(w),
+                "core_sets": r["cores"], "boundaries": r["boundaries"],
+                "samples_per_s": samples / statistics.median(w),
                 "samples_per_s_min": samples / max(w), "samples_per_s_max": samples / min(w),
                 "step_s": statistics.median(w) / args.ticks, "round_walls_s": w,
                 "cpu_per_wall": per_process})
@@ -299,6 +303,11 @@ def main(argv=None) -> list[dict]:
   if args.worker:
     worker(json.loads(args.worker))
     return []
+  if args.report:
+    with open(args.report) as f:
+      saved = json.load(f)
+    print(table(saved["rows"], argparse.Namespace(**{**vars(args), **saved["args"]})))
+    return saved["rows"]
   rows = measure(args)
   print(table(rows, args))
   if args.out:

@@ -335,6 +335,12 @@ def _load_idx_or_tfds(spec: DatasetSpec, split: str, data_dir, cache: bool | Non
   user_dirs = []
   if data_dir is not None and "://" not in os.fspath(data_dir):
     root = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
+    if not os.path.isdir(root):  # a typo must not fall through to another copy unnoticed
+      what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
+      raise DatasetNotFoundError(spec.name, root, message=(
+          f"data_dir {root} {what}: give the folder that holds {spec.name}'s IDX files (or "
+          f"its TFDS copy), or leave data_dir unset to read {spec.idx.system_dir} "
+          f"(`apt-get install {spec.idx.package}`)"))
     user_dirs = [root, os.path.join(root, spec.name)]
   folder = find_idx_dir(spec, user_dirs)
   if folder is not None:

@@ -25,8 +25,8 @@ import optax
 import fdg_jax
 from fdg_jax import data as data_lib
 from fdg_jax import engines, partition, plans, precision, runtime
-from fdg_jax.config_check import (TEXT_DATASET, ConfigError, create_model, optimizer_hparams,
-                                  validate_fields, validate_model)
+from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
+                                  optimizer_hparams, validate_fields, validate_model)
 from fdg_jax.optim import auto, methods
 from fdg_jax.optim.factory import learning_rate_schedule, make_optimizer
 from fdg_jax.trainer.checkpoints import CHECKPOINT_DIR
@@ -80,8 +80,17 @@ def choose_placement(num_stages: int, num_replicas: int, engine: str = "auto") -
           f"x num_stages={num_stages}; raise num_replicas or num_stages, or start fewer "
           "processes (or give each fewer devices)")
     return {"mesh": mesh, "engine": "spmd" if engine == "spmd" else "per_stage"}
+  if 1 < len(devices) < num_stages and engine == "per_stage":
+    raise ConfigError(f"engine=per_stage puts stage k on device k: {num_stages} stages, found "
+                      f"{len(devices)} devices; set --config.num_cpu_devices={num_stages} (or "
+                      f"JAX_NUM_CPU_DEVICES) on CPU, lower num_stages to {len(devices)}, or use "
+                      "--config.engine=fused")
   if engine == "auto":
     engine = engines.preferred(devices[0].platform, len(devices), num_stages)
+    if 1 < len(devices) < num_stages:
+      log(f"{len(devices)} devices for {num_stages} stages: every stage runs on "
+          f"{devices[0]} ({engine} engine); give {num_stages} devices, or num_stages="
+          f"{len(devices)}, for a stage per device")
   if engine == "spmd":
     if len(devices) < num_stages:
       raise ConfigError(f"engine=spmd puts each of the {num_stages} stages on its own device, "
@@ -240,6 +249,8 @@ def _data(config, feeding: dict):
         workers=workers if train else 0, **(feeding if train else {}))
     shape, dtype, keys = tuple(train_ds.image_shape), np.float32, ("image", "label")
     sizes = (train_ds.num_examples, "training examples")
+    for split, ds in (("train", train_ds), ("test", test_ds)):
+      _check_labels(config.dataset, split, ds)
   if config.batch_size > sizes[0]:
     raise ConfigError(f"batch_size={config.batch_size} exceeds the {sizes[0]} {sizes[1]} of "
                       f"{config.dataset}; lower --config.batch_size")
@@ -250,6 +261,19 @@ def _data(config, feeding: dict):
   eval_batch = min(config.eval_batch_size, max(R, -(-n_test // R) * R))
   test_iter = lambda: make(test_ds, eval_batch, False)
   return make(train_ds, config.batch_size, True), test_iter, shape, dtype, keys
+
+
+def _check_labels(name: str, split: str, ds) -> None:
+  """Labels of an in-memory split lie in [0, classes): one outside would train silently
+  (optax takes -1 as the last class) or give a NaN loss."""
+  labels = getattr(ds, "labels", None)
+  if labels is None or not len(labels):
+    return
+  lo, hi = int(np.min(labels)), int(np.max(labels))
+  if lo < 0 or hi >= ds.num_classes:
+    bad = lo if lo < 0 else hi
+    raise UserError(f"{name} {split}: label {bad} lies outside [0, {ds.num_classes}); fix the "
+                    "dataset's labels (or its registered num_classes)")
 
 
 def _local_rows(schedule, batch_size: int, feeding: dict) -> int:
@@ -342,6 +366,18 @@ def _check_config(config, workdir: str) -> Callable[[], None]:
           f"{workdir} holds a run with telemetry_every_steps="
           f"{saved.get('telemetry_every_steps', 0)}: telemetry on or off changes what a "
           "checkpoint holds; keep it on (any N > 0) or off as the run started")
+    # Fields that may change on a resume, except where the change adds or drops a part of
+    # the optimiser (and so of what its checkpoint holds): sgd's momentum buffer, the
+    # decayed-weights step of sgd and adam.
+    toggles = {"momentum": ("sgd",), "weight_decay": ("sgd", "adam")}
+    for key, optimizers in toggles.items():
+      old, new = saved.get(key), current.get(key)
+      if current.get("optimizer") in optimizers and bool(old) != bool(new):
+        raise ConfigError(
+            f"{workdir} holds a run with {key}={old!r}: {key}={new!r} turns that part of the "
+            f"{current.get('optimizer')} optimiser {'off' if old else 'on'}, which changes what "
+            f"its checkpoint holds; resume with any {key} {'> 0' if old else '= 0'}, or use a "
+            "new --workdir")
     changed = {key: [saved.get(key), current.get(key)]
                for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)}
 
