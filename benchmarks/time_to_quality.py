@@ -61,10 +61,16 @@ def load_protocol(path=PROTOCOL) -> dict:
   return json.loads(pathlib.Path(path).read_text())
 
 
+# Keys of a selection part that judge its results and train nothing: not in its version.
+REPORT_ONLY = ("targets", "targets_source")
+
+
 def part_sha256(protocol: dict, part: str) -> str:
-  """The version of a part: its spec and the shared rules, canonically serialised."""
+  """The version of a part: what its runs train (its spec less REPORT_ONLY) and the shared
+  rules, canonically serialised."""
+  spec = {k: v for k, v in protocol["parts"][part].items() if k not in REPORT_ONLY}
   body = {"name": protocol["name"], "version": protocol["version"], "rules": protocol["rules"],
-          "part": protocol["parts"][part]}
+          "part": spec}
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
@@ -1043,6 +1049,30 @@ def plot(summary: dict, tests: dict, path: str, title: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+# ------------------------------------------------------------------------------ targets
+def selection_targets(spec: dict, summary: dict) -> list[dict]:
+  """The part's targets (protocol "targets") with the measured value, bound and met: "gap
+  CELL" (accuracy points, or the perplexity's relative gap) and "step_overhead CELL" (a
+  step overhead of None, never reached within the longer run, misses any bound), at the
+  longest horizon where the part has several."""
+  if "horizons" in summary:
+    rows = summary["horizons"][str(max(int(h) for h in summary["horizons"]))]["rows"]
+  else:
+    rows = summary["rows"]
+  out = []
+  for t in spec.get("targets", []):
+    kind, _, cell = t["quantity"].partition(" ")
+    value = rows[cell].get(kind)
+    if value is None:
+      met, note = False, "not reached within the longer run"
+    else:
+      met = value >= t["bound"] if t["sense"] == ">=" else value <= t["bound"]
+      note = None
+    out.append({"target": t["target"], "value": value, "bound": t["bound"], "met": met,
+                **({"note": note} if note else {})})
+  return out
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1104,11 +1134,19 @@ def main(argv=None) -> int:
       runner.close()
   horizons = "horizons" in study.spec
   summary = (summarise_horizons if horizons else summarise)(study, tests)
+  if args.targets_json:
+    print(json.dumps(selection_targets(study.spec, summary), indent=1))
+    return 0
   text = (markdown_horizons if horizons else markdown)(args.part, summary, study.log)
   if args.auto_markdown:
     print(auto_markdown(study, summary))
     return 0
   print(text)
+  if not args.markdown:
+    for t in selection_targets(study.spec, summary):
+      shown = t.get("note") or f"{t['value']:.4g}"
+      print(f"target: {t['target']}: {shown} (bound {t['bound']:g}): "
+            f"{'met' if t['met'] else 'missed'}")
   if args.plot and horizons:
     plot_horizons(summary, tests, args.plot, f"{args.part}: test perplexity against steps "
                   f"(BP's longest run, the delayed schedules' {study.spec['horizon_factor']:g}× "
