@@ -160,3 +160,17 @@ def test_the_bench_cores_table_is_what_its_json_prints():
                        timeout=120, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-2000:]
   assert marker + "\n" + out.stdout.strip() + "\n" in text
+
+
+def test_the_readme_results_table_is_generated_from_the_records():
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results_table.py")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  block = out.stdout.strip()
+  assert block.startswith("<!-- results table: written by")
+  readme = (ROOT / "README.md").read_text()
+  assert block in readme, "README's results table differs from benchmarks/results_table.py"
+  # Its first sentences: whether any delayed schedule matched BP, and the measured speed-up.
+  first = block.splitlines()[1]
+  assert first.startswith(("No delayed schedule has yet", "Delayed schedules that ended"))
+  assert "Measured speed-up" in first or "No speed-up has been measured" in first
