@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine's figures on an accelerator, in one bounded run: each benchmark is stopped at
 # its own limit (seconds, below; SCALE multiplies them all), 7 min 30 s in all; EXTRA=1 adds
-# the SPMD program's dispatch (its compile time is not known). BUNDLE=file.tgz: OUT packed
+# the SPMD program's dispatch (its compile time is not known) and `bench cores` on the host's
+# CPU cores at K = 2 and 4 (2 min 30 s more). BUNDLE=file.tgz: OUT packed
 # into one file after each benchmark (what a run cut short still brings back).
 #
 #   pip install --no-deps -e . && OUT=/tmp/device_check bash benchmarks/device_check.sh
@@ -88,4 +89,7 @@ if [ "${EXTRA:-0}" = 1 ]; then
   run dispatch_resnet110_spmd 60 dispatch --dispatch_model resnet110 --dispatch_batch 2 \
       --split balanced --stages 4 --algorithms fdg --dispatch_ticks 64 --run_ticks 32 \
       --repeats 3 --engines spmd --paths run
+  # The host's own cores as K pinned processes (CPU; on this 2-core machine only K = 2 fits).
+  run cores_cpu 90 cores --model_kwargs '{"width": 8}' --stages 2 4 --algorithms fdg \
+      --rounds 3
 fi

@@ -26,6 +26,10 @@ def main(argv=None) -> int:
     from fdg_jax.bench import cores
     cores.main(argv[1:])
     return 0
+  if argv and argv[0] == "imports":
+    from fdg_jax.bench import imports
+    imports.main(argv[1:])
+    return 0
   if argv and argv[0] == "data":
     from fdg_jax.bench import data
     data.main(argv[1:])
