@@ -49,7 +49,7 @@ _CACHE: dict = {}
 
 
 # ----------------------------------------------------------------------------- boundaries
-def ring_length(stage: int, num_stages: int, schedule: str = "fdg",
+def ring_length(stage: int, num_stages: int, schedule: str,
                 heads: bool | None = None) -> int:
   """Stash slots of stage `stage` as the schedules allocate them (`delays.slots_held`).
 
@@ -83,7 +83,7 @@ def parse_split(text):
 
 
 def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] | None = None,
-            memory_weight: float = 0.0) -> list[int]:
+            memory_weight: float = 0.0, schedule: str | None = None) -> list[int]:
   """Boundaries minimising the most expensive stage over all contiguous partitions (exact DP).
 
   Args:
@@ -92,8 +92,10 @@ def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] 
     memory: per-block stash bytes per slot; needed when memory_weight > 0.
     memory_weight: w in [0, 1]. Stage k's cost is
       (1 - w) * C_k / sum(C) + w * ring_k * M_k / (ring_0 * sum(M)),
-      with ring_k = 2(K-1-k) the FDG stash length (the memory-aware balance targets FDG, whose
-      stash is the larger). w = 0 balances compute, w = 1 minimises the largest stash.
+      with ring_k the stash slots stage k holds under `schedule` (`ring_length`: FDG
+      2(K-1-k), DDG K-k). w = 0 balances compute, w = 1 minimises the largest stash.
+    schedule: the delayed schedule whose stash is weighed (a registered name); needed when
+      memory_weight > 0, unused otherwise.
 
   Returns:
     K-1 boundaries.
@@ -105,10 +107,14 @@ def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] 
     raise ValueError(f"memory_weight must be in [0, 1], got {memory_weight}")
   if memory_weight > 0 and memory is None:
     raise ValueError("memory_weight > 0 needs the per-block stash bytes (memory=...)")
+  if memory_weight > 0 and schedule is None:
+    raise ValueError("memory_weight > 0 weighs each stage's stash, whose length depends on the "
+                     "schedule: pass schedule= (e.g. the one you will train)")
   C = np.concatenate([[0.0], np.cumsum(c)])
   M = np.concatenate([[0.0], np.cumsum(np.asarray(memory, np.float64))]) if memory is not None \
       else np.zeros(n + 1)
-  rings = np.array([ring_length(k, K) for k in range(K)], np.float64)
+  rings = (np.array([ring_length(k, K, schedule) for k in range(K)], np.float64)
+           if memory_weight > 0 else np.ones(K))
   c_norm = C[-1] if C[-1] > 0 else 1.0
   m_norm = rings[0] * M[-1] if rings[0] * M[-1] > 0 else 1.0
 
@@ -134,7 +140,8 @@ def balance(costs: Sequence[float], num_stages: int, *, memory: Sequence[float] 
 
 
 def boundaries(model: Model, num_stages: int, how="uniform", *, example_input=None,
-               cost: str = "flops", memory_weight: float = 0.0) -> list[int]:
+               cost: str = "flops", memory_weight: float = 0.0,
+               schedule: str | None = None) -> list[int]:
   """The K-1 boundaries of a split of `model` into `num_stages` stages.
 
   Args:
@@ -144,7 +151,8 @@ def boundaries(model: Model, num_stages: int, how="uniform", *, example_input=No
     example_input: array or ShapeDtypeStruct of one input batch (costs scale with it); defaults
       to `model.example_input(1)`. Used by "balanced" only.
     cost: "flops" | "bytes" | "time" (see the module docstring).
-    memory_weight: blend of normalised FDG stash memory into the balanced cost.
+    memory_weight: blend of the normalised stash memory of `schedule` into the balanced cost.
+    schedule: the schedule to be trained, whose stash `memory_weight` weighs (see `balance`).
 
   Raises:
     ValueError: bad num_stages, bad boundaries, unknown `how`/`cost`, or no paper split.
@@ -168,7 +176,8 @@ def boundaries(model: Model, num_stages: int, how="uniform", *, example_input=No
     x = model.example_input(1) if example_input is None else example_input
     costs = block_costs(model, x, cost)
     memory = block_stash_bytes(model, x) if memory_weight > 0 else None
-    return balance(costs, num_stages, memory=memory, memory_weight=memory_weight)
+    return balance(costs, num_stages, memory=memory, memory_weight=memory_weight,
+                   schedule=schedule)
   raise ValueError(f"unknown split {how!r}; expected one of {', '.join(SPLITS)} or a list of "
                    f"{num_stages - 1} boundaries")
 
@@ -181,14 +190,15 @@ def stages_from_boundaries(model: Model, bounds: Sequence[int]) -> list[Stage]:
 
 
 def split(model: Model, num_stages: int, how="uniform", *, example_input=None,
-          cost: str = "flops", memory_weight: float = 0.0) -> list[Stage]:
+          cost: str = "flops", memory_weight: float = 0.0,
+          schedule: str | None = None) -> list[Stage]:
   """Splits `model` into `num_stages` stages (arguments as `boundaries`).
 
   Stage k's apply is `apply(params, model_state, x, *, train, rng=None) -> (y, model_state)`;
   applied in order the stages compute exactly the unsplit `model.module()`.
   """
   bounds = boundaries(model, num_stages, how, example_input=example_input, cost=cost,
-                      memory_weight=memory_weight)
+                      memory_weight=memory_weight, schedule=schedule)
   return stages_from_boundaries(model, bounds)
 
 
@@ -412,8 +422,8 @@ def slot_bytes(model: Model, bounds: Sequence[int], example_input) -> list[int]:
           for a, b in stage_ranges(bounds, model.num_blocks)]
 
 
-def stash_bytes(model: Model, bounds: Sequence[int], example_input,
-                schedule: str = "fdg", heads: bool | None = None) -> list[int]:
+def stash_bytes(model: Model, bounds: Sequence[int], example_input, schedule: str,
+                heads: bool | None = None) -> list[int]:
   """Bytes of each stage's whole stash: `slot_bytes` x ring_length(k, K, schedule, heads)."""
   K = len(bounds) + 1
   slots = slot_bytes(model, bounds, example_input)

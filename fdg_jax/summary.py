@@ -26,7 +26,8 @@ def _delayed() -> tuple:
 
 
 def summarize(model: models.Model, num_stages: int, how="balanced", *, batch_size: int = 1,
-              cost: str = "flops", memory_weight: float = 0.0) -> dict:
+              cost: str = "flops", memory_weight: float = 0.0,
+              schedule: str | None = None) -> dict:
   """Summary of `model` split into `num_stages` stages (`how` as in `partition.boundaries`).
 
   Returns:
@@ -42,7 +43,7 @@ def summarize(model: models.Model, num_stages: int, how="balanced", *, batch_siz
     raise ValueError(f"batch size must be >= 1, got {batch_size}")
   x = model.example_input(batch_size)
   bounds = partition.boundaries(model, num_stages, how, example_input=x, cost=cost,
-                                memory_weight=memory_weight)
+                                memory_weight=memory_weight, schedule=schedule)
   infos = partition.block_info(model, x)
   fwd = partition.block_costs(model, x, "flops", backward=False)
   tick = partition.block_costs(model, x, cost)
@@ -141,7 +142,10 @@ def main(argv=None) -> int:
   p.add_argument("--cost", default="flops", choices=partition.COSTS,
                  help="what 'balanced' equalises (per-tick forward + backward)")
   p.add_argument("--memory-weight", type=float, default=0.0,
-                 help="blend of normalised FDG stash memory into the balanced cost, in [0, 1]")
+                 help="blend of the normalised stash memory of --schedule into the balanced "
+                 "cost, in [0, 1]")
+  p.add_argument("--schedule", default="fdg",
+                 help="the delayed schedule whose stash --memory-weight weighs")
   p.add_argument("--batch-size", type=int, default=1,
                  help="batch for the stash bytes and the costs (FLOPs are per sample)")
   p.add_argument("--num-classes", type=int, default=None,
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
       raise _UsageError("--model-kwargs must be a JSON object")
     model = models.create(args.model, num_classes=args.num_classes, **model_kwargs)
     s = summarize(model, args.num_stages, how, batch_size=args.batch_size, cost=args.cost,
-                  memory_weight=args.memory_weight)
+                  memory_weight=args.memory_weight, schedule=args.schedule)
   except (_UsageError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -163,7 +163,7 @@ def test_balance_is_optimal(seed):
   n, K = 9, 1 + seed % 4
   costs, memory = rng.uniform(0.1, 1, n), rng.uniform(0.1, 1, n)
   for w in (0.0, 0.3, 1.0):
-    b = partition.balance(costs, K, memory=memory, memory_weight=w)
+    b = partition.balance(costs, K, memory=memory, memory_weight=w, schedule="fdg")
     assert len(b) == K - 1 and b == sorted(set(b)) and all(0 < i < n for i in b)
     brute = min(stage_cost(costs, memory, w, c) for c in itertools.combinations(range(1, n), K - 1))
     assert stage_cost(costs, memory, w, b) == pytest.approx(brute)
@@ -174,9 +174,23 @@ def test_memory_weight_trades_compute_for_stash():
   # to the later stages, whose stashes are shorter.
   costs = np.ones(12)
   assert partition.balance(costs, 3) == [4, 8]
-  b = partition.balance(costs, 3, memory=costs, memory_weight=1.0)
+  b = partition.balance(costs, 3, memory=costs, memory_weight=1.0, schedule="fdg")
   sizes = np.diff([0, *b, 12])
   assert sizes[0] == 1 and sizes[2] >= 9  # stash of stage 0 (4 slots/block) is the bottleneck
+  # The stash weighed is the schedule's: DDG's rings hold 3, 2, 0 slots, FDG's 4, 2, 0.
+  def brute(rings, w=0.5):
+    def cost(b):
+      return max((1 - w) * (j - i) / 12 + w * rings[k] * (j - i) / (rings[0] * 12)
+                 for k, (i, j) in enumerate(partition.stage_ranges(list(b), 12)))
+    return min(cost(b) for b in itertools.combinations(range(1, 12), 2))
+  for schedule, rings in (("fdg", (4, 2, 0)), ("ddg", (3, 2, 0))):
+    b = partition.balance(costs, 3, memory=costs, memory_weight=0.5, schedule=schedule)
+    assert max(0.5 * (j - i) / 12 + 0.5 * rings[k] * (j - i) / (rings[0] * 12) for k, (i, j)
+               in enumerate(partition.stage_ranges(b, 12))) == pytest.approx(brute(rings))
+  assert (partition.balance(costs, 3, memory=costs, memory_weight=0.5, schedule="fdg")
+          != partition.balance(costs, 3, memory=costs, memory_weight=0.5, schedule="ddg"))
+  with pytest.raises(ValueError, match="pass schedule="):  # no schedule is assumed
+    partition.balance(costs, 3, memory=costs, memory_weight=0.5)
 
 
 @pytest.mark.parametrize("name", ["resnet56", "resnet110"])
@@ -227,8 +241,8 @@ def test_stash_bytes():
     assert partition.ring_length(3, 4, "fdg", heads) == 0
     assert delays.slots_held("bp", 0, 2, heads) == delays.ring_size("bp", 0, 2) == 1
   default = delays.ring_heads_default(jax.default_backend())
-  assert partition.stash_bytes(m, bounds, x) == partition.stash_bytes(m, bounds, x, "fdg",
-                                                                      default)
+  assert partition.stash_bytes(m, bounds, x, "fdg") == partition.stash_bytes(m, bounds, x,
+                                                                             "fdg", default)
   # A slot holds at least the stage input (a conv's backward needs it) and the weights.
   assert slots[0] >= x.size * 4 + (3 * 3 * 3 * 4 + 4) * 4
   # Independent count: the residual leaves of concrete vjps of the first stage at two
