@@ -13,9 +13,6 @@ def _process_count() -> int:
   return jax.process_count()
 
 
-TEXT_DATASET = "stdlib_text"  # byte-level corpus of the Python standard library (offline)
-
-
 class UserError(Exception):
   """An error caused by the user's input; its message is one line, shown without traceback."""
 
@@ -88,7 +85,7 @@ def _import_plan_module(config) -> None:
 
 def validate_fields(config) -> None:
   """Checks every field that needs no model: ConfigError (one line) on the first problem."""
-  from fdg_jax import data  # imported lazily: validation runs before heavy set-up
+  from fdg_jax.data import kinds  # imported lazily: validation runs before heavy set-up
 
   missing = [k for k in REQUIRED if k not in config]
   if missing:
@@ -123,14 +120,13 @@ def validate_fields(config) -> None:
     _fail(f"beta={config.beta} must lie in (0, 1]; 1 disables gradient shrinking")
   if config.get("shrink_at", "gradient") not in ("gradient", "update"):
     _fail(f"unknown shrink_at {config.shrink_at!r}; use --config.shrink_at=gradient|update")
-  if config.dataset not in data.list_datasets() and config.dataset != TEXT_DATASET:
-    _fail(f"unknown dataset {config.dataset!r}; known: "
-          f"{', '.join(data.list_datasets() + [TEXT_DATASET])}")
-  if config.dataset == TEXT_DATASET and "seq_len" not in config:
-    _fail(f"dataset={TEXT_DATASET} trains a language model, which this config is not made "
-          "for (it has no seq_len, model gpt, ...): use --config configs/lm.py")
-  if config.dataset == TEXT_DATASET and config.get("seq_len", 0) < 2:
-    _fail("the text dataset needs --config.seq_len >= 2 (tokens per window)")
+  spec = kinds.lookup(config.dataset)
+  if spec is None:
+    _fail(f"unknown dataset {config.dataset!r}; known: {', '.join(kinds.names())} (or add "
+          "yours with fdg_jax.data.register)")
+  problem = spec.check(config)
+  if problem:
+    _fail(problem)
   if not isinstance(config.num_stages, int) or config.num_stages < 1:
     _fail(f"num_stages={config.num_stages} must be a positive integer")
   if config.num_replicas < 1:
@@ -289,20 +285,18 @@ def _validate_telemetry(config) -> None:
           "--config.telemetry_every_steps=0 under several processes")
 
 
-def num_classes(dataset: str) -> int:
-  """Classes of an image dataset, or the vocabulary of the text dataset (bytes)."""
-  from fdg_jax import data
-  if dataset == TEXT_DATASET:
-    from fdg_jax.data import text
-    return text.VOCAB_SIZE
-  return data.get_spec(dataset).num_classes
+def num_classes(config) -> int:
+  """The width of the model's head for the config's dataset: its classes, or a token
+  dataset's vocabulary (the dataset's spec, `fdg_jax.data.kinds`)."""
+  from fdg_jax.data import kinds
+  return kinds.lookup(config.dataset).num_classes(config)
 
 
 def create_model(config):
   """The config's model (ConfigError, one line, when its name or arguments are wrong)."""
   from fdg_jax import models
   try:
-    return models.create(config.model, num_classes=num_classes(config.dataset),
+    return models.create(config.model, num_classes=num_classes(config),
                          **dict(config.get("model_kwargs", {}) or {}))
   except ValueError as e:
     _fail(str(e).splitlines()[0])

@@ -12,10 +12,16 @@ read from its original IDX files, offline: those in ``data_dir``, else TFDS's co
 Debian's ``apt-get install dataset-fashion-mnist``. Nothing is downloaded: a dataset
 missing from ``data_dir`` raises ``DatasetNotFoundError``. Constants live in
 ``fdg_jax.data.registry``. ``python -m fdg_jax.data --dataset NAME`` prints dataset info.
+
+The trainer reads any dataset registered in ``fdg_jax.data.kinds`` by name: these, the
+standard library's text corpus (``stdlib_text``) and a user's own (``register``, with
+``image_dataset`` or ``token_dataset``).
 """
 
 from fdg_jax.data.batches import epoch_permutation
 from fdg_jax.data.iterator import BatchIterator
+from fdg_jax.data.kinds import (Splits, TrainerData, image_dataset, register, token_dataset,
+                                unregister)
 from fdg_jax.data.registry import REGISTRY, DatasetSpec, get_spec, list_datasets
 from fdg_jax.data.sources import (ArrayDataset, Dataset, DatasetFileError, DatasetNotFoundError,
                                   TfdsDataset, from_arrays, load, load_idx, open_tfds_source,
@@ -24,5 +30,6 @@ from fdg_jax.data.sources import (ArrayDataset, Dataset, DatasetFileError, Datas
 __all__ = [
     "ArrayDataset", "BatchIterator", "Dataset", "DatasetFileError", "DatasetNotFoundError",
     "DatasetSpec", "REGISTRY", "TfdsDataset", "epoch_permutation", "from_arrays", "get_spec",
-    "list_datasets", "load", "load_idx", "open_tfds_source", "resolve_data_dir",
+    "list_datasets", "load", "load_idx", "open_tfds_source", "resolve_data_dir", "Splits",
+    "TrainerData", "image_dataset", "register", "token_dataset", "unregister",
 ]

@@ -157,6 +157,25 @@ class TextDataset:
             "python_version": self.python_version, "root": self.root}
 
 
+def from_tokens(tokens, *, seq_len: int, split: str = "train", name: str = "tokens",
+                vocab_size: int = VOCAB_SIZE) -> TextDataset:
+  """A user's token stream (integers in [0, vocab_size)) as a `TextDataset` of windows of
+  `seq_len` tokens (for `fdg_jax.data.token_dataset`)."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.size < 2:
+    raise ValueError(f"tokens must be a 1-D integer array of at least 2, got {tokens.dtype} "
+                     f"{tokens.shape}")
+  if tokens.min() < 0 or tokens.max() >= vocab_size:
+    raise ValueError(f"tokens must lie in [0, {vocab_size}), got [{tokens.min()}, "
+                     f"{tokens.max()}]")
+  tokens = np.array(tokens, copy=True)
+  tokens.flags.writeable = False
+  return TextDataset(name=name, split=split, tokens=tokens, seq_len=int(seq_len), files=(),
+                     file_bytes=(), sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
+                     root="", python_version=platform.python_version(),
+                     vocab_size=int(vocab_size))
+
+
 def load_text(split: str = "train", *, seq_len: int = 128, max_bytes: int | None = None,
               root: str | None = None, expected_sha256: str | None = None) -> TextDataset:
   """Reads one split of the stdlib byte corpus (see the module docstring).

@@ -25,8 +25,8 @@ import optax
 import fdg_jax
 from fdg_jax import data as data_lib
 from fdg_jax import engines, partition, plans, precision, runtime
-from fdg_jax.config_check import (TEXT_DATASET, ConfigError, UserError, create_model,
-                                  optimizer_hparams, validate_fields, validate_model)
+from fdg_jax.config_check import (ConfigError, UserError, create_model, optimizer_hparams,
+                                  validate_fields, validate_model)
 from fdg_jax.optim import auto, methods
 from fdg_jax.optim.factory import learning_rate_schedule, make_optimizer
 from fdg_jax.trainer.checkpoints import CHECKPOINT_DIR
@@ -171,7 +171,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   stages = [precision.mixed_precision(s, compute_dtype) for s in stages]
   schedule, lr = make_schedule(config, stages, steps_per_epoch, placement)
   rows = _local_rows(schedule, config.batch_size, feeding)
-  label_shape = shape if config.dataset == TEXT_DATASET else ()
+  label_shape = shape if data_lib.kinds.lookup(config.dataset).kind == "tokens" else ()
   example = (np.zeros((rows,) + shape, dtype), np.zeros((rows,) + label_shape, np.int32))
   return Run(config=config, workdir=workdir, model=model, boundaries=tuple(bounds),
              stages=stages, schedule=schedule, learning_rate=lr, train_iter=train_iter,
@@ -213,8 +213,7 @@ def resolve_auto(config):
     if resolved.optimizer != config.optimizer:
       validate_fields(resolved)  # the one-line errors setup would give, before sizing
       model = create_model(resolved)
-      shape, dtype = (((config.seq_len,), jnp.int32) if config.dataset == TEXT_DATASET else
-                      (tuple(data_lib.get_spec(config.dataset).image_shape), jnp.float32))
+      shape, dtype = data_lib.kinds.lookup(config.dataset).example(config)
       whole = partition.stages_from_boundaries(model, [])[0]  # every stage's params at once
       params, _ = jax.eval_shape(lambda x: whole.init(jax.random.PRNGKey(0), x),
                                  jax.ShapeDtypeStruct((1, *shape), dtype))
@@ -226,53 +225,42 @@ def resolve_auto(config):
 
 
 def _data(config, feeding: dict):
-  """(training iterator, test iterator factory, input shape, input dtype, batch keys).
+  """(training iterator, test iterator factory, input shape, input dtype, batch keys), from
+  the dataset's spec (`fdg_jax.data.kinds`).
 
   `feeding` (process_index, process_count) picks this process's rows of every training
   batch; every process reads whole test batches (see `evaluate`).
   """
-  if config.dataset == TEXT_DATASET:
-    from fdg_jax.data import text
-    kwargs = dict(seq_len=config.seq_len, max_bytes=config.get("text_max_bytes", 0) or None)
-    train_ds, test_ds = text.load_text("train", **kwargs), text.load_text("validation", **kwargs)
-    make = lambda ds, bs, train: text.TextIterator(ds, bs, train=train, seed=config.seed,
-                                                   **(feeding if train else {}))
-    shape, dtype, keys = (config.seq_len,), np.int32, ("tokens", "targets")
-    sizes = (train_ds.num_windows, "windows")
-  else:
-    data_dir = config.data_dir or None
-    train_ds = data_lib.load(config.dataset, "train", data_dir)
-    test_ds = data_lib.load(config.dataset, "test", data_dir)
-    workers = config.get("data_workers", 0)
-    make = lambda ds, bs, train: data_lib.BatchIterator(
-        ds, bs, train=train, seed=config.seed if train else 0, drop_remainder=train,
-        workers=workers if train else 0, **(feeding if train else {}))
-    shape, dtype, keys = tuple(train_ds.image_shape), np.float32, ("image", "label")
-    sizes = (train_ds.num_examples, "training examples")
-    for split, ds in (("train", train_ds), ("test", test_ds)):
-      _check_labels(config.dataset, split, ds)
-  if config.batch_size > sizes[0]:
-    raise ConfigError(f"batch_size={config.batch_size} exceeds the {sizes[0]} {sizes[1]} of "
+  spec = data_lib.kinds.lookup(config.dataset)
+  splits = spec.load(config, feeding)
+  shape, dtype = spec.example(config)
+  n_train = splits.size(splits.train)
+  if spec.kind == "images":
+    for split, ds in (("train", splits.train), ("test", splits.test)):
+      _check_labels(config.dataset, split, ds, spec.num_classes(config))
+  if config.batch_size > n_train:
+    raise ConfigError(f"batch_size={config.batch_size} exceeds the {n_train} {splits.unit} of "
                       f"{config.dataset}; lower --config.batch_size")
   # An evaluation batch above the test split would be padded to its size: one batch of
   # the split (a multiple of the replicas) does the same work.
-  n_test = test_ds.num_windows if config.dataset == TEXT_DATASET else test_ds.num_examples
+  n_test = splits.size(splits.test)
   R = config.num_replicas
   eval_batch = min(config.eval_batch_size, max(R, -(-n_test // R) * R))
-  test_iter = lambda: make(test_ds, eval_batch, False)
-  return make(train_ds, config.batch_size, True), test_iter, shape, dtype, keys
+  test_iter = lambda: splits.make(splits.test, eval_batch, False, feeding)
+  return (splits.make(splits.train, config.batch_size, True, feeding), test_iter,
+          tuple(shape), dtype, spec.keys)
 
 
-def _check_labels(name: str, split: str, ds) -> None:
+def _check_labels(name: str, split: str, ds, classes: int) -> None:
   """Labels of an in-memory split lie in [0, classes): one outside would train silently
   (optax takes -1 as the last class) or give a NaN loss."""
   labels = getattr(ds, "labels", None)
   if labels is None or not len(labels):
     return
   lo, hi = int(np.min(labels)), int(np.max(labels))
-  if lo < 0 or hi >= ds.num_classes:
+  if lo < 0 or hi >= classes:
     bad = lo if lo < 0 else hi
-    raise UserError(f"{name} {split}: label {bad} lies outside [0, {ds.num_classes}); fix the "
+    raise UserError(f"{name} {split}: label {bad} lies outside [0, {classes}); fix the "
                     "dataset's labels (or its registered num_classes)")
 
 
