@@ -155,13 +155,17 @@ def validate_fields(config) -> None:
   if config.get("dtype", "float32") not in ("float32", "bfloat16"):
     _fail(f"unknown dtype {config.dtype!r}; use --config.dtype=float32|bfloat16 (bfloat16: "
           "compute and activations in bf16, float32 weights and optimizer state)")
+  from fdg_jax import engines
   engine = config.get("engine", "auto")
-  if engine not in ("auto", "fused", "per_stage", "spmd"):
-    _fail(f"unknown engine {config.engine!r}; use --config.engine=auto|fused|per_stage|spmd")
-  if engine != "auto" and engine not in spec.engines:
-    runs = ' and '.join(n.upper() for n in plans.names() if engine in plans.spec(n).engines)
-    _fail(f"engine={engine} runs {runs} only; use --config.engine="
-          f"{'|'.join(('auto',) + spec.engines)} for {config.algorithm}")
+  if engine != "auto" and engine not in engines.CLASSES:
+    _fail(f"unknown engine {config.engine!r}; use --config.engine="
+          f"{'|'.join(('auto',) + engines.names())}")
+  if engine != "auto":
+    plan = plans.plan(config.algorithm, config.num_stages,
+                      microbatches=config.get("microbatches", 1))
+    why = engines.plan_refusal(engine, plan)
+    if why:
+      _fail(why.replace("engine='", "--config.engine='"))
   if engine == "spmd":
     if config.get("telemetry_every_steps", 0) > 0:
       _fail("engine=spmd has no staleness telemetry; use --config.engine=per_stage or fused")

@@ -19,8 +19,8 @@ the first tick from which every stage works (`fill_ticks`), and the fused engine
 order (`old_messages_first`). `grid` prints the plan as a (tick x stage) table.
 
 Every schedule is declared once, in the registry at the end of this module (`register`,
-`spec`, `names`): its plan factory and what it accepts (options, engines, replicas, whether
-its gradients are delayed). Everything else that depends on a schedule's name reads it.
+`spec`, `names`): its plan factory and what it accepts (options, replicas, whether its
+gradients are delayed); which engines run its plan, the engines say. Everything else that depends on a schedule's name reads it.
 
 A plan may split the tick's batch into M equal **micro-batches** (`Call.micro`): GPipe and
 1F1B, the synchronous pipelines, are plans of this kind, built from each device's order of
@@ -363,7 +363,6 @@ def one_f_one_b_order(num_stages: int, microbatches: int) -> list[list[tuple]]:
 # ------------------------------------------------------------------------------ the registry
 OPTIONS = ("beta", "shrink_at", "backward", "microbatches")  # what a schedule may accept
 PLAN_OPTIONS = ("microbatches",)  # those that change the plan (make_plan's keywords)
-ENGINES = ("fused", "per_stage", "spmd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,14 +375,12 @@ class ScheduleSpec:
     are those of ``options`` in PLAN_OPTIONS (e.g. microbatches).
   - ``delayed``: its gradients are stale (the staleness remedies and ``staleness=auto`` apply).
   - ``options``: the keyword options it takes, of OPTIONS.
-  - ``engines``: the engines that run it, of ENGINES.
   - ``replicas``: whether it runs as data-parallel replicas (DP x the schedule).
   """
   name: str
   make_plan: Callable
   delayed: bool = True
   options: tuple = ("backward",)
-  engines: tuple = ("fused", "per_stage")
   replicas: bool = True
   description: str = ""
 
@@ -402,8 +399,8 @@ def register(name: str, make_plan: Callable, *, replace: bool = False, **spec) -
   it) and the benchmarks run it like a built-in.
 
   `make_plan(num_stages, **plan_options)` returns its `Plan`. The other keywords are
-  `ScheduleSpec`'s fields (delayed, options, engines, replicas, description). Returns the
-  spec.
+  `ScheduleSpec`'s fields (delayed, options, replicas, description); which engines run it
+  each engine says (`fdg_jax.engines`). Returns the spec.
   """
   if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
     raise ValueError(f"a schedule's name must be a plain word, got {name!r}")
@@ -414,11 +411,9 @@ def register(name: str, make_plan: Callable, *, replace: bool = False, **spec) -
     raise ValueError(f"schedule {name!r}: make_plan must be a function of (num_stages, "
                      "**options) returning a plans.Plan")
   sp = ScheduleSpec(name, make_plan, **spec)
-  bad = [o for o in sp.options if o not in OPTIONS] + [e for e in sp.engines
-                                                       if e not in ENGINES]
+  bad = [o for o in sp.options if o not in OPTIONS]
   if bad:
-    raise ValueError(f"schedule {name!r}: unknown option(s) or engine(s) {bad}; options "
-                     f"are {OPTIONS}, engines {ENGINES}")
+    raise ValueError(f"schedule {name!r}: unknown option(s) {bad}; options are {OPTIONS}")
   _REGISTRY[name] = sp
   _PLAN_CACHE.clear()
   return sp
@@ -443,14 +438,14 @@ register("bp", bp, delayed=False, options=("backward",),
          description="backpropagation: the whole forward, then the whole backward")
 register("ddg", ddg, options=("backward",),
          description="decoupled backward, delay K-1-k (Huo et al. 2018)")
-register("fdg", fdg, options=("beta", "shrink_at", "backward"), engines=ENGINES,
+register("fdg", fdg, options=("beta", "shrink_at", "backward"),
          description="forward, backward and update decoupled, delay 2(K-1-k), gradient "
                      "shrinking (Zhuang et al. 2021)")
 register("gpipe", gpipe, delayed=False, options=("microbatches",), replicas=False,
          description="synchronous pipeline, all forwards then all backwards")
 register("1f1b", one_f_one_b, delayed=False, options=("microbatches",), replicas=False,
          description="synchronous pipeline, one forward one backward")
-register("pipedream", pipedream, engines=("fused", "per_stage"),
+register("pipedream", pipedream,
          description="PipeDream: pipelined forward, backward down the stages in the tick, "
                      "weight stashing (Narayanan et al. 2019)")
 

@@ -59,7 +59,6 @@ PyTree = Any
 ALGORITHMS = plans_lib.names(microbatched=False)  # the built-in tick plans (bp, ddg, fdg)
 BACKWARD_POLICIES = ("stash", "recompute")
 SHRINK_AT = ("gradient", "update")  # where FDG's beta scales stage k: its gradient or update
-ENGINES = ("auto",) + engines.ENGINES
 GATES = ("mask", "cond")
 __all__ = ["ALGORITHMS", "Schedule", "bp", "classification_metrics", "create", "ddg", "fdg"]
 
@@ -94,8 +93,9 @@ class Schedule(Telemetry):
                        f"{plans_lib.names()} (or register one: fdg_jax.plans.register)")
     if backward not in BACKWARD_POLICIES:
       raise ValueError(f"unknown backward policy {backward!r}; choose one of {BACKWARD_POLICIES}")
-    if engine not in ENGINES:
-      raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    if engine != "auto" and engine not in engines.CLASSES:
+      raise ValueError(f"unknown engine {engine!r}; choose one of "
+                       f"{('auto',) + engines.names()}")
     if gate is not None and gate not in GATES:
       raise ValueError(f"unknown gate {gate!r}; choose one of {GATES} (or None: the "
                        "platform's default)")
@@ -138,7 +138,7 @@ class Schedule(Telemetry):
                     or self.compiler_options != compiler_options_for(self.platform))
     self.ring_heads = bool(ring_heads)
     self.shapes = Shapes(self.plan, stages, self.placement, backward=backward,
-                         flat_rings=self.engine in ("fused", "per_stage") and not telemetry,
+                         flat_rings=engine_class.flat_rings and not telemetry,
                          ring_heads=self.ring_heads)
     self.math = StageMath(self.plan, stages, loss_fn, self.optimizers, metrics_fn, backward,
                           self.telemetry_enabled, self.shapes)

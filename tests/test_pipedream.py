@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import fdg_jax
-from fdg_jax import plans
+from fdg_jax import engines, plans
 from test_schedules import OPTIMIZERS, run_schedule, stages_of
 from toy_models import assert_trees_close, batches, loss_fn, make_model
 
@@ -80,7 +80,7 @@ def test_pipedream_matches_its_update_equation(K, optimizer, backward, engine, p
 
 def test_pipedream_is_declared_with_its_delays():
   sp = plans.spec("pipedream")
-  assert sp.delayed and "spmd" not in sp.engines
+  assert sp.delayed and engines.plan_refusal("spmd", plans.plan("pipedream", 4))
   for K in (1, 2, 4):
     assert [fdg_jax.delay("pipedream", k, K) for k in range(K)] == [K - 1 - k for k in range(K)]
   assert plans.plan("pipedream", 4).ring_sizes == (3, 2, 1, 0)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import fdg_jax
-from fdg_jax import config_check, plans, trainer
+from fdg_jax import config_check, engines, plans, trainer
 from test_schedules import run_schedule, stages_of
 from test_trainer import _params_equal, tiny_config
 from toy_models import batches, loss_fn, make_model
@@ -24,7 +24,9 @@ def test_builtins_are_declared_once_with_what_they_accept():
       n for n in plans.names() if n not in ("bp", "ddg", "fdg", "gpipe", "1f1b"))
   assert fdg_jax.ALGORITHMS == ("bp", "ddg", "fdg", "pipedream")
   assert plans.spec("fdg").options == ("beta", "shrink_at", "backward")
-  assert "spmd" in plans.spec("fdg").engines and "spmd" not in plans.spec("ddg").engines
+  # What runs where, the engines say (no engine list in a plan's spec).
+  assert engines.plan_refusal("spmd", plans.plan("fdg", 4)) is None
+  assert "chains its stages" in engines.plan_refusal("spmd", plans.plan("ddg", 4))
   assert not plans.spec("bp").delayed and plans.spec("ddg").delayed
   assert plans.spec("gpipe").microbatched and not plans.spec("gpipe").replicas
   with pytest.raises(ValueError, match="no schedule named 'fgd'; known: bp, ddg, fdg"):
@@ -73,10 +75,36 @@ def test_config_checks_read_the_registry():
   with pytest.raises(config_check.ConfigError, match=r"^beta=0.5: gradient shrinking is an "
                      r"option of fdg and fdg_copy; use --config.beta=1.0 with ddg$"):
     config_check.validate_fields(tiny_config(algorithm="ddg", beta=0.5))
-  with pytest.raises(config_check.ConfigError, match=r"^engine=spmd runs FDG only; use "
-                     r"--config.engine=auto\|fused\|per_stage for fdg_copy$"):
-    config_check.validate_fields(tiny_config(algorithm="fdg_copy", engine="spmd"))
+  # Which engine runs which plan, the engine says: a copy of FDG's plan runs on spmd, DDG's
+  # does not.
+  with pytest.raises(config_check.ConfigError, match=r"^--config.engine='spmd' runs plans "
+                     r"whose calls read only the previous tick's messages \(FDG\); ddg chains"):
+    config_check.validate_fields(tiny_config(algorithm="ddg", engine="spmd"))
+  config_check.validate_fields(tiny_config(algorithm="fdg_copy", engine="spmd",
+                                           plan_module="user_plans"))
   with pytest.raises(config_check.ConfigError, match="plan_module 'no_such_module' could not"):
     config_check.validate_fields(tiny_config(algorithm="fdg", plan_module="no_such_module"))
   with pytest.raises(config_check.ConfigError, match="unknown algorithm 'mine'"):
     config_check.validate_fields(tiny_config(algorithm="mine"))
+
+
+def test_an_engine_from_outside_the_library_is_one_module_and_one_line():
+  import user_engine  # noqa: F401  registers eager_test
+  assert "eager_test" in engines.names()
+  K = 3
+  applies, params, states = make_model("mlp", K)
+  data = batches(7)
+  out = {}
+  for engine in ("fused", "eager_test"):
+    sched = fdg_jax.create("fdg", stages_of(applies), loss_fn, optax.sgd(0.05, momentum=0.9),
+                           beta=0.5, engine=engine)
+    assert sched.engine == engine
+    out[engine] = run_schedule(sched, params, states, data)
+  assert out["eager_test"][2] == out["fused"][2]  # the same ticks
+  for a, b in zip(jax.tree.leaves(out["fused"][0]), jax.tree.leaves(out["eager_test"][0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  # What it runs, it says: the trainer's check asks the engine, and so does `create`.
+  config_check.validate_fields(tiny_config(algorithm="ddg", engine="eager_test"))
+  with pytest.raises(ValueError, match="runs every stage on one device"):
+    fdg_jax.create("fdg", stages_of(applies), loss_fn, optax.sgd(0.05),
+                   devices=jax.devices()[:K], engine="eager_test")

@@ -6,6 +6,7 @@ make 2K-1 jitted calls per tick on the per-stage engine, FDG K).
 
 from __future__ import annotations
 
+from fdg_jax import engines
 from fdg_jax import plans as plans_lib
 from fdg_jax.bench.common import (TINY, build_model, build_stages, call_paths,
                                   first_place, jax_leaves, make_schedule, mesh_for,
@@ -60,7 +61,7 @@ def bench_dispatch(args) -> list[dict]:
         batch = random_batch(model, batch_size, first_place(where))
         for algorithm in args.algorithms:
           spec = plans_lib.spec(algorithm)
-          if engine not in spec.engines or spec.microbatched:
+          if spec.microbatched or engines.plan_refusal(engine, plans_lib.plan(algorithm, K)):
             continue  # an engine it does not run on; a micro-batched pipeline: throughput only
           schedule = make_schedule(algorithm, stages, engine=engine, **where)
           entries.append(prepare(schedule, params, states, batch, run_ticks=T))

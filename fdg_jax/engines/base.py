@@ -24,7 +24,28 @@ import numpy as np
 from fdg_jax import ring
 from fdg_jax.stage_math import NO_UPDATE
 
-ENGINES = ("fused", "per_stage", "spmd")
+CLASSES: dict[str, type] = {}  # every engine, by name: the one list (`register`)
+
+
+def register(cls):
+  """Adds an `Engine` subclass to the engines a schedule can run on, under `cls.name` (a
+  class decorator: an engine is its module and this one line)."""
+  if not (isinstance(cls, type) and issubclass(cls, Engine)) or not cls.name:
+    raise ValueError(f"register takes an Engine subclass with a name, got {cls!r}")
+  if cls.name == "auto" or CLASSES.get(cls.name, cls) is not cls:
+    raise ValueError(f"an engine named {cls.name!r} exists already")
+  CLASSES[cls.name] = cls
+  return cls
+
+
+def names() -> tuple[str, ...]:
+  """The registered engines' names, in registration order."""
+  return tuple(CLASSES)
+
+
+def plan_refusal(name: str, plan) -> str | None:
+  """Why engine `name` cannot run `plan` wherever it is placed (one line), or None."""
+  return CLASSES[name].plan_refusal(plan)
 
 
 def choose(requested: str, placement) -> str:
@@ -32,7 +53,7 @@ def choose(requested: str, placement) -> str:
   stage lies on one device, else the per-stage one."""
   if requested != "auto":
     return requested
-  return "fused" if placement.single_device is not None else "per_stage"
+  return "fused" if placement.single_device is not None else "per_stage"  # the two defaults
 
 
 def preferred(platform: str, num_devices: int, num_stages: int) -> str:
@@ -49,11 +70,18 @@ class Engine:
   public parts the engine reads."""
 
   name = ""
+  flat_rings = True  # keeps each stash ring as one flat buffer where telemetry is off
+
+  @classmethod
+  def plan_refusal(cls, plan) -> str | None:
+    """Why this engine cannot run `plan` on any placement (one line), or None: the one
+    statement of what plans it runs (checked up front, e.g. by the trainer's config check)."""
+    return None
 
   @classmethod
   def refusal(cls, plan, placement, *, telemetry: bool) -> str | None:
     """Why this engine cannot run `plan` on `placement` (one line), or None."""
-    return None
+    return cls.plan_refusal(plan)
 
   def __init__(self, schedule):
     self.schedule = schedule

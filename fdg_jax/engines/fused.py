@@ -23,6 +23,7 @@ from fdg_jax.interpreter import run_tick
 from fdg_jax.stage_math import NO_UPDATE
 
 
+@base.register
 class FusedEngine(base.Engine):
   """See the module docstring."""
 
@@ -30,6 +31,9 @@ class FusedEngine(base.Engine):
 
   @classmethod
   def refusal(cls, plan, placement, *, telemetry: bool) -> str | None:
+    why = cls.plan_refusal(plan)
+    if why:
+      return why
     if placement.single_device is None:
       return ("engine='fused' runs every stage in one program on one device; pass "
               "devices=None (or K copies of one device), or engine='per_stage'")

@@ -64,6 +64,7 @@ class PerStageOps:
         functools.partial(self.schedule.math.apply_sum, k), donate_argnums=0))
 
 
+@base.register
 class PerStageEngine(base.Engine):
   """See the module docstring."""
 

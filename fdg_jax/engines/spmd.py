@@ -58,18 +58,27 @@ from fdg_jax.stage_math import NO_UPDATE
 AXIS = "stage"
 
 
+@base.register
 class SpmdEngine(base.Engine):
   """The SPMD `run` and `step` of one schedule (its programs built once its shapes are
   known, at the state's allocation)."""
 
   name = "spmd"
+  flat_rings = False
+
+  @classmethod
+  def plan_refusal(cls, plan) -> str | None:
+    if not plan.decoupled:
+      return (f"engine='spmd' runs plans whose calls read only the previous tick's messages "
+              f"(FDG); {plan.name} chains its stages within a tick: use engine='per_stage'")
+    return None
 
   @classmethod
   def refusal(cls, plan, placement, *, telemetry: bool) -> str | None:
     K = plan.num_stages
-    if not plan.decoupled:
-      return (f"engine='spmd' runs plans whose calls read only the previous tick's messages "
-              f"(FDG); {plan.name} chains its stages within a tick: use engine='per_stage'")
+    why = cls.plan_refusal(plan)
+    if why:
+      return why
     if K < 2:
       return "engine='spmd' needs at least 2 stages, one per device"
     devices = [d for s in placement.state_shardings for d in column(s)]
