@@ -453,12 +453,12 @@ README = ROOT / "README.md"
 
 
 @pytest.mark.skipif(not RESULT.exists(), reason="the part has not been run")
-def test_the_readme_auto_table_is_what_the_report_prints_from_the_committed_json():
+def test_the_docs_auto_table_is_what_the_report_prints_from_the_committed_json():
   table = _report("--auto_markdown")
   assert table.startswith("<!-- time_to_quality fashion_mlp auto")
   # Both schedules that tried auto, one kept (K=8) and one not (K=4).
   assert "| FDG K=8 |" in table and "`auto` |" in table and "no remedy |" in table
-  assert table in README.read_text(), "README's auto table differs from the report"
+  assert table in DOCS.read_text(), "docs/staleness.md's auto table differs from the report"
 
 
 def test_status_names_the_next_batch_and_never_trains():
@@ -584,11 +584,11 @@ def test_the_gpt_long_docs_table_is_what_the_report_prints_from_the_committed_js
 
 
 @pytest.mark.skipif(not _gpt_long_complete(), reason="gpt_long's runs are not all recorded")
-def test_the_readme_gpt_auto_table_is_what_the_report_prints_from_the_committed_json():
+def test_the_docs_gpt_auto_table_is_what_the_report_prints_from_the_committed_json():
   table = _report("--auto_markdown", part="gpt_long")
   assert table.startswith("<!-- time_to_quality gpt_long auto")
   assert all(f"| {s} |" in table for s in ("DDG K=4", "FDG K=4", "FDG K=8"))
-  assert table in README.read_text(), "README's gpt_long auto table differs from the report"
+  assert table in DOCS.read_text(), "docs/staleness.md's gpt_long auto table differs"
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
