@@ -126,3 +126,32 @@ def test_eval_visits_every_window_once_in_order(val):
   np.testing.assert_array_equal(toks.reshape(-1), val.tokens[:n])
   with pytest.raises(StopIteration):
     next(it)
+
+
+def test_the_held_out_split_spans_the_corpus_and_is_disjoint_from_the_others():
+  import collections
+  import os
+  import subprocess
+  import sys
+  root = text.stdlib_dir()
+  files = text.corpus_files(root)
+  split = {s: text.split_files(files, s, root) for s in text.SPLITS}
+  held, rest, train = set(split["held_out"]), set(split["train_rest"]), set(split["train"])
+  assert held and not held & rest and held | rest == train
+  assert not (held | rest) & set(split["validation"])
+  size = {f: os.path.getsize(os.path.join(root, f)) for f in held}
+  total = sum(size.values())
+  assert 0.9 * text.HELD_OUT_BYTES <= total <= text.HELD_OUT_BYTES
+  by_top = collections.Counter()
+  for f, n in size.items():
+    by_top[text.top_level(f)] += n
+  assert len(by_top) >= 12, by_top  # many packages and modules, not one directory's files
+  assert max(by_top.values()) <= total / 4, by_top.most_common(3)
+  # What the trainer reads is those files' bytes, in corpus order.
+  ds = text.load_text("held_out", seq_len=64)
+  assert ds.files == tuple(split["held_out"]) and ds.num_bytes == total
+  # The command line lists them.
+  out = subprocess.run([sys.executable, "-m", "fdg_jax.data", "--dataset", "stdlib_text",
+                        "--split", "held_out", "--files"], capture_output=True, text=True,
+                       timeout=120, check=True).stdout.split()
+  assert out == split["held_out"]

@@ -1,5 +1,9 @@
 """``python -m fdg_jax.data --dataset NAME [--data_dir D]``: prints a dataset's info.
 
+``python -m fdg_jax.data --dataset stdlib_text --split SPLIT --files`` lists the files a
+split of the text corpus holds, one a line (splits: train, validation, held_out,
+train_rest; see ``fdg_jax.data.text``).
+
 If the dataset is not prepared, prints the one-line ``DatasetNotFoundError`` message to
 stderr and exits with status 1 (no traceback).
 """
@@ -15,10 +19,20 @@ def main(argv: list[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 1 dataset missing, 2 bad arguments)."""
   from fdg_jax.data import registry  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m fdg_jax.data", description=__doc__)
-  parser.add_argument("--dataset", required=True, choices=registry.list_datasets())
+  from fdg_jax.data import text  # pylint: disable=g-import-not-at-top
+  parser.add_argument("--dataset", required=True,
+                      choices=registry.list_datasets() + ["stdlib_text"])
   parser.add_argument("--data_dir", default=None,
                       help="TFDS data directory (fashion_mnist: or a folder of its IDX files)")
+  parser.add_argument("--split", default=None, choices=text.SPLITS,
+                      help="stdlib_text: the split to describe")
+  parser.add_argument("--files", action="store_true",
+                      help="stdlib_text: list the split's files, one a line")
   args = parser.parse_args(argv)
+  if args.dataset == "stdlib_text":
+    return _text(args)
+  if args.files or args.split:
+    parser.error("--split and --files describe the text corpus: use --dataset stdlib_text")
   # TFDS logs warnings (e.g. a missing dataset_info.json) through absl; keep stderr clean.
   logging.getLogger("absl").setLevel(logging.ERROR)
   try:
@@ -47,6 +61,29 @@ def main(argv: list[str] | None = None) -> int:
   print(f"mean:         {tuple(spec.mean)}")
   print(f"std:          {tuple(spec.std)}")
   print(f"augmentation: {spec.augmentation}")
+  return 0
+
+
+def _text(args) -> int:
+  """The text corpus: a split's files (--files), or each split's files and bytes."""
+  import os  # pylint: disable=g-import-not-at-top
+  from fdg_jax.data import text  # pylint: disable=g-import-not-at-top
+  root = text.stdlib_dir()
+  files = text.corpus_files(root)
+  splits = [args.split] if args.split else list(text.SPLITS)
+  if args.files:
+    for split in splits:
+      for f in text.split_files(files, split, root):
+        print(f)
+    return 0
+  print(f"dataset:      stdlib_text (the *.py files under {root}, Python "
+        f"{text.platform.python_version()})")
+  for split in splits:
+    fs = text.split_files(files, split, root)
+    size = sum(os.path.getsize(os.path.join(root, f)) for f in fs)
+    tops = len({text.top_level(f) for f in fs})
+    print(f"{split + ':':<13} {len(fs)} files, {size:,} bytes, {tops} top-level packages or "
+          "modules")
   return 0
 
 

@@ -13,7 +13,11 @@ that are third-party or that distributions ship as separate packages (``EXCLUDED
 suites, site-/dist-packages, idlelib, tkinter, lib2to3, distutils, ensurepip, ...), sorted by
 relative POSIX path. File i of that list belongs to the validation split when
 ``i % VALIDATION_EVERY == VALIDATION_EVERY - 1`` and to train otherwise: the splits are
-disjoint by file. A split's text is the raw bytes of its files concatenated in order (no
+disjoint by file. For choosing on data that is neither trained on nor the test split,
+"held_out" is about 262 kB of whole training files picked by a seeded hash across the
+packages (at most an eighth of it from one top-level package or module, `held_out_files`),
+and "train_rest" the training files without them; ``python -m fdg_jax.data --dataset
+stdlib_text --split held_out --files`` lists a split's files. A split's text is the raw bytes of its files concatenated in order (no
 separator, no decoding), cut at ``max_bytes``. Tokens are the bytes (vocabulary 256).
 
 Reproducibility: the corpus is a pure function of the stdlib directory's contents, so two runs
@@ -49,7 +53,15 @@ from fdg_jax.data.iterator import PositionedIterator
 
 VOCAB_SIZE = 256
 VALIDATION_EVERY = 10
-SPLITS = ("train", "validation")
+SPLITS = ("train", "validation", "held_out", "train_rest")
+# A held-out split drawn from across the training files ("held_out"), and the training files
+# without it ("train_rest"): disjoint by file, and neither shares a file with "validation"
+# (the test split). The training files in the order of a seeded hash of their paths, each
+# taken while the split stays within HELD_OUT_BYTES and its top-level package (or module)
+# within a HELD_OUT_SHARE of that; files over the share are never taken.
+HELD_OUT_BYTES = 262_144
+HELD_OUT_SHARE = 1 / 8
+HELD_OUT_SEED = 0
 # Directory names skipped anywhere in the tree: third-party code, test suites and the parts of
 # the stdlib that distributions (Debian/Ubuntu, Fedora) ship as separate packages, so that the
 # corpus is the same on more installations of one Python version.
@@ -81,18 +93,51 @@ def corpus_files(root: str | None = None) -> list[str]:
   return sorted(out)
 
 
-def split_files(files: Sequence[str], split: str) -> list[str]:
-  """The files of `split`: every VALIDATION_EVERY-th file (1-based) is validation."""
+def top_level(path: str) -> str:
+  """The top-level package of a corpus path ("email/mime/text.py" -> "email"), or the
+  module itself for a file at the top ("os.py")."""
+  return path.split("/", 1)[0]
+
+
+def held_out_files(train: Sequence[str], sizes: Sequence[int], *, seed: int = HELD_OUT_SEED,
+                   total: int = HELD_OUT_BYTES, share: float = HELD_OUT_SHARE) -> list[str]:
+  """The held-out files among the training files `train` (of `sizes` bytes), in corpus
+  order: see HELD_OUT_BYTES."""
+  order = sorted(range(len(train)), key=lambda i: hashlib.sha256(
+      f"{seed}:{train[i]}".encode()).digest())
+  cap = share * total
+  taken, used, per_top = set(), 0, {}
+  for i in order:
+    top = top_level(train[i])
+    if sizes[i] == 0 or used + sizes[i] > total or per_top.get(top, 0) + sizes[i] > cap:
+      continue
+    taken.add(i)
+    used += sizes[i]
+    per_top[top] = per_top.get(top, 0) + sizes[i]
+  return [train[i] for i in sorted(taken)]
+
+
+def split_files(files: Sequence[str], split: str, root: str | None = None) -> list[str]:
+  """The files of `split`: every VALIDATION_EVERY-th file (1-based) is validation, the rest
+  train; "held_out" is `held_out_files` of train (sized under `root`, default the
+  stdlib's), "train_rest" train without them."""
   split = _check_split(split)
   val = [i % VALIDATION_EVERY == VALIDATION_EVERY - 1 for i in range(len(files))]
-  return [f for f, v in zip(files, val) if v == (split == "validation")]
+  if split == "validation":
+    return [f for f, v in zip(files, val) if v]
+  train = [f for f, v in zip(files, val) if not v]
+  if split in ("held_out", "train_rest"):
+    root = stdlib_dir() if root is None else root
+    held = set(held_out_files(train, [os.path.getsize(os.path.join(root, f)) for f in train]))
+    return [f for f in train if (f in held) == (split == "held_out")]
+  return train
 
 
 def _check_split(split: str) -> str:
   if split == "test":  # the trainer's name for the held-out split
     split = "validation"
   if split not in SPLITS:
-    raise ValueError(f"unknown text split {split!r}; expected 'train' or 'validation' "
+    raise ValueError(f"unknown text split {split!r}; expected one of {', '.join(SPLITS)} "
                      "('test' is an alias of 'validation')")
   return split
 
@@ -198,7 +243,7 @@ def load_text(split: str = "train", *, seq_len: int = 128, max_bytes: int | None
     raise ValueError(f"max_bytes must be >= 2 (one input and one target), got {max_bytes}")
   root = os.path.abspath(stdlib_dir() if root is None else root)
   chunks, files, sizes, total = [], [], [], 0
-  for rel in split_files(corpus_files(root), split):
+  for rel in split_files(corpus_files(root), split, root):
     if max_bytes is not None and total >= max_bytes:
       break
     with open(os.path.join(root, rel), "rb") as f:
