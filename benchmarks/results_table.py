@@ -1,6 +1,7 @@
 """The README's results table, generated from the committed records.
 
-    python benchmarks/results_table.py
+    python benchmarks/results_table.py           # print it
+    python benchmarks/results_table.py --write   # and the results page's ResNet table, in place
 
 One row per (workload, schedule) of the time-to-quality parts that have records, in the
 form of the Flax examples' tables: workload, schedule, steps, wall time and what it ran on,
@@ -142,5 +143,33 @@ def render() -> str:
   return "\n".join(lines)
 
 
+END = "<!-- end of the generated block -->"
+
+
+def _fashion_resnet_report() -> str:
+  import subprocess
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
+                        "--part", "fashion_resnet", "--report"], capture_output=True, text=True,
+                       check=True, cwd=ROOT)
+  return out.stdout.strip()
+
+
+def _replace(path: pathlib.Path, block: str) -> None:
+  """Puts `block` (its first line a marker) in place of the one between that marker and END."""
+  text = path.read_text()
+  start = text.index(block.splitlines()[0])
+  end = text.index(END, start)
+  path.write_text(text[:start] + block + "\n" + text[end:])
+
+
+def write() -> None:
+  """Regenerates the README's table and docs/results.md's fashion_resnet table in place."""
+  _replace(ROOT / "README.md", render())
+  _replace(ROOT / "docs" / "results.md", _fashion_resnet_report())
+
+
 if __name__ == "__main__":
-  print(render())
+  if sys.argv[1:] == ["--write"]:
+    write()
+  else:
+    print(render())

@@ -387,8 +387,12 @@ def targets(spec: dict, rows: dict) -> list[dict]:
   return out
 
 
+MARKER = ("<!-- time_to_quality fashion_resnet: written by `python benchmarks/time_to_quality.py "
+          "--part fashion_resnet --report` -->")
+
+
 def markdown(summary: dict) -> str:
-  lines = ["| cell | seeds | test accuracy % (mean ± std) | each seed | vs BP (points) | "
+  lines = [MARKER, "| cell | seeds | test accuracy % (mean ± std) | each seed | vs BP (points) | "
            "steps to BP's final | seconds to BP's final |", "|---|---|---|---|---|---|---|"]
   for row in summary["rows"].values():
     seeds = f"{len(row['seeds'])} of {row['of']}" + (f", {row['diverged']} diverged"

@@ -174,3 +174,16 @@ def test_a_failed_run_stops_the_study_and_records_nothing(tmp_path):
   assert last.startswith("error: pilot BP seed 0 failed") and "no record was kept" in last
   out = tmp_path / "tiny.json"
   assert not out.exists() or json.loads(out.read_text())["records"] == {}
+
+
+def test_the_results_page_quotes_the_report_of_the_committed_records():
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
+                        "--part", "fashion_resnet", "--report"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  block = out.stdout.strip()
+  assert block.startswith(rec.MARKER)
+  assert block in (ROOT / "docs" / "results.md").read_text(), \
+      "docs/results.md's fashion_resnet table differs from the report"
