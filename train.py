@@ -42,6 +42,8 @@ def main(argv):
       "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{config.algorithm}-k{config.num_stages}")
   resume = "resume with: " + resume_command(sys.argv, workdir)
   _STATE["resume"] = resume
+  from fdg_jax.runtime import watchdog
+  watchdog.RESUME_HINT["text"] = resume  # a stalled run's line, printed from its own thread
   try:
     trainer.train_and_evaluate(config, workdir)
   except trainer.ConfigError as e:

@@ -212,3 +212,22 @@ def test_a_bad_stall_timeout_is_one_config_error(value):
   with pytest.raises(config_check.ConfigError, match=r"^stall_timeout_s=.* must be a number "
                      r"of seconds >= 0 \(0: no stall watchdog\)$"):
     config_check.validate_fields(c)
+
+
+def test_a_stalled_runs_line_gives_the_command_lines_resume_command(tmp_path, capfd,
+                                                                   monkeypatch):
+  from fdg_jax.runtime import watchdog
+  monkeypatch.setitem(watchdog.RESUME_HINT, "text",
+                      "resume with: python train.py --config c.py --workdir runs/x")
+  dog, exits = _watch(tmp_path)
+  dog.start(None)
+  try:
+    dog.dispatched(3, _Ready())
+    dog.dispatched(6, _NeverReady())
+    _wait_for(exits, 10)
+  finally:
+    dog.close()
+  err = capfd.readouterr().err.strip().splitlines()
+  assert exits == [EXIT_STALLED] and len(err) == 1
+  assert "; resume with: python train.py --config c.py --workdir runs/x (or raise" in err[0]
+  assert "same command" not in err[0]

@@ -45,6 +45,11 @@ _WAITING_IN = {
 }
 
 
+# How a stalled run's line says to resume: the command line's own resume command where the
+# caller knows it (train.py sets "resume with: python train.py ... --workdir DIR").
+RESUME_HINT: dict = {"text": None}
+
+
 class StallWatchdog:
   """See the module docstring. `describe_checkpoint()` returns the newest-checkpoint part of
   the line (called only on a stall). `timeout_s <= 0` disables it."""
@@ -191,8 +196,9 @@ class StallWatchdog:
       where, stacks = "in an unknown place", f"the stacks could not be written ({e})"
     after = ("before the first tick completed" if self._completed is None
              else f"after step {self._completed}")
+    resume = RESUME_HINT["text"] or "rerun the same command to resume"
     print(f"error: run stalled: nothing completed for {idle:.0f} s {after} ({where}); "
-          f"{stacks}; {self.describe_checkpoint()}; rerun the same command to resume "
+          f"{stacks}; {self.describe_checkpoint()}; {resume} "
           f"(or raise --config.stall_timeout_s if a step is this slow)",
           file=sys.stderr, flush=True)
     sys.stdout.flush()
