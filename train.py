@@ -134,12 +134,12 @@ def _config_without_overrides(argv):
 
 
 if __name__ == "__main__":
-  from fdg_jax.runtime import peers
-  if peers.is_multiprocess_env() and not os.environ.get(peers.CHILD_ENV):
-    # One process of several: train in a child, so that a lost peer (whose news JAX turns
-    # into an abort of this process) ends it with one line and exit code 3.
-    sys.exit(peers.supervise(sys.argv))
   try:
+    from fdg_jax.runtime import peers
+    if peers.is_multiprocess_env() and not os.environ.get(peers.CHILD_ENV):
+      # One process of several: train in a child, so that a lost peer (whose news JAX turns
+      # into an abort of this process) ends it with one line and exit code 3.
+      sys.exit(peers.supervise(sys.argv))
     app.run(main, flags_parser=parse_flags)
   except KeyboardInterrupt:
     print(stopped_at_once(), file=sys.stderr)
