@@ -128,6 +128,7 @@ def _worker(task: dict) -> dict:
   run of staleness=auto, what auto set)."""
   config, fields = _config_and_fields(task)
   resolved = auto_resolution(task)
+  commit = _code_commit()  # the code this run imports, before any later edit
   if task["split"] != "held_out":
     held = _nothing()
   elif "text_offset" in task["held_out"]:  # the training bytes after those trained on
@@ -153,6 +154,7 @@ def _worker(task: dict) -> dict:
     _exit_if_orphaned()
   if resolved is not None:
     record["auto_resolved"] = resolved
+  record["code_commit"] = commit
   return record
 
 
@@ -228,10 +230,10 @@ class Runner:
         for other in futures:
           other.cancel()
         continue
-      self.records[t["key"]] = {**fut.result(), "key": t["key"], "split": t["split"],
+      self.records[t["key"]] = {"code_commit": _code_commit(), **fut.result(),
+                                "key": t["key"], "split": t["split"],
                                 "what": t["what"], "fields": t["fields"],
-                                "protocol_sha256": t["protocol_sha256"],
-                                "code_commit": _code_commit()}
+                                "protocol_sha256": t["protocol_sha256"]}
       self.save()
     if failed is not None:
       raise failed if isinstance(failed, ProtocolError) else RunFailed(

@@ -181,6 +181,7 @@ class CoreRunner:
     self.cores = list(cores if cores is not None else sorted(os.sched_getaffinity(0))[:2])
     self.records = json.loads(out.read_text())["records"] if out.exists() else {}
     self.stopping = None
+    self.commits: dict = {}  # key -> the checkout's commit when its (last) process started
 
   def __call__(self, tasks: list[dict]) -> None:
     queue = [t for t in tasks if t["key"] not in self.records]
@@ -235,6 +236,7 @@ class CoreRunner:
     log = open(self.workroot / f"{task['key']}.log", "a")
     log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {task['what']} on cores {cores}\n")
     log.flush()
+    self.commits[task["key"]] = code_commit()  # the code the run imports, not later edits
     print(f"  start {task['what']} on core(s) {cores}", flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True,
@@ -249,7 +251,7 @@ class CoreRunner:
                                    "what": task["what"], "fields": task["fields"],
                                    "processes": task["processes"], "cores": task["cores"],
                                    "protocol_sha256": task["protocol_sha256"],
-                                   "code_commit": code_commit()}
+                                   "code_commit": self.commits.get(task["key"])}
       self.save()
       print(f"  done  {task['what']}: test accuracy {record['test_accuracy']:.4f}, "
             f"{record['wall_time']:.0f} s" + (" DIVERGED" if record["diverged"] else ""),
