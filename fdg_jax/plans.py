@@ -20,7 +20,8 @@ order (`old_messages_first`). `grid` prints the plan as a (tick x stage) table.
 
 Every schedule is declared once, in the registry at the end of this module (`register`,
 `spec`, `names`): its plan factory and what it accepts (options, replicas, whether its
-gradients are delayed); which engines run its plan, the engines say. Everything else that depends on a schedule's name reads it.
+gradients are delayed); which engines run its plan, the engines say. Everything else that
+depends on a schedule's name reads it.
 
 A plan may split the tick's batch into M equal **micro-batches** (`Call.micro`): GPipe and
 1F1B, the synchronous pipelines, are plans of this kind, built from each device's order of
