@@ -18,7 +18,8 @@ disjoint by file. For choosing on data that is neither trained on nor the test s
 packages (at most an eighth of it from one top-level package or module, `held_out_files`),
 and "train_rest" the training files without them; ``python -m fdg_jax.data --dataset
 stdlib_text --split held_out --files`` lists a split's files. A split's text is the raw
-bytes of its files concatenated in order (no separator, no decoding), cut at ``max_bytes``. Tokens are the bytes (vocabulary 256).
+bytes of its files concatenated in order (no separator, no decoding), cut at ``max_bytes``.
+Tokens are the bytes (vocabulary 256).
 
 Reproducibility: the corpus is a pure function of the stdlib directory's contents, so two runs
 on the same Python build see the same bytes; another Python patch version (or a distribution's

@@ -9,8 +9,8 @@
 Each engine module registers its class (`@base.register`): `CLASSES` is the one list of
 engines, and each class's `plan_refusal` / `refusal` the one statement of what it runs. A new
 engine is one module and that line. `choose` is the one place where "auto" is decided for
-a placement, `preferred` the one place where it is decided from the devices a process sees. No algorithm's name appears in an
-engine: what a tick does is the plan's.
+a placement, `preferred` the one place where it is decided from the devices a process
+sees. No algorithm's name appears in an engine: what a tick does is the plan's.
 """
 
 from fdg_jax.engines.base import (CLASSES, Engine, choose, names, plan_refusal, preferred,
