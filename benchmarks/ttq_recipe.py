@@ -192,15 +192,18 @@ class CoreRunner:
     running: dict = {}  # Popen -> (task, cores)
     free = list(self.cores)
     previous = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    signalled: set = set()
     try:
-      while queue or running:
+      while running or (queue and self.stopping is None):  # stopping: wait for the runs only
         while queue and self.stopping is None and queue[0]["cores"] <= len(free):
           task = queue.pop(0)
           use, free = free[:task["cores"]], free[task["cores"]:]
           running[self._start(task, use)] = (task, use)
         if self.stopping is not None:
           for p in running:
-            _signal_group(p, signal.SIGTERM)
+            if p.pid not in signalled:  # once: a second signal would cut a save short
+              _signal_group(p, signal.SIGTERM)
+              signalled.add(p.pid)
         for p in [p for p in running if p.poll() is not None]:
           task, use = running.pop(p)
           free += use

@@ -131,6 +131,11 @@ def _pump(stream, prefix: str) -> None:
 def _stop(procs, grace_s: float = 5.0) -> None:
   """SIGTERM to each still-running process group, then SIGKILL after `grace_s`."""
   alive = [p for p in procs if p.poll() is None]
+  try:  # the processes are stopping: a further SIGTERM or Ctrl-C must not orphan them
+    for s in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(s, signal.SIG_IGN)
+  except ValueError:  # not the main thread
+    pass
   for p in alive:
     _signal(p, signal.SIGTERM)
   end = time.monotonic() + grace_s
