@@ -187,3 +187,39 @@ def test_the_results_page_quotes_the_report_of_the_committed_records():
   assert block.startswith(rec.MARKER)
   assert block in (ROOT / "docs" / "results.md").read_text(), \
       "docs/results.md's fashion_resnet table differs from the report"
+
+
+def test_a_study_stopped_with_runs_queued_ends_and_goes_on_next_time(tmp_path):
+  """SIGTERM while a two-process run starts and another waits: the study stops its run
+  (once; the launcher then stops its processes, none left behind) and ends; the same
+  command then finishes the part."""
+  import signal
+  import time
+  path = _tiny_protocol(tmp_path)
+  p = json.loads(path.read_text())
+  p["parts"]["tiny"]["cells"]["FDG K=2"]["seeds"] = [0, 1]
+  path.write_text(json.dumps(p))
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"), "--part", "tiny",
+         "--protocol", str(path), "--out", str(tmp_path / "tiny.json"), "--workdir",
+         str(tmp_path / "runs")]
+  study = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env)
+  for line in study.stdout:
+    if "start test FDG K=2 seed 0" in line:
+      break
+  time.sleep(1.0)  # the run's processes are setting up
+  study.send_signal(signal.SIGTERM)
+  time.sleep(0.5)
+  study.send_signal(signal.SIGTERM)  # an impatient second one changes nothing
+  study.communicate(timeout=240)
+  assert study.returncode == 130
+  left = subprocess.run(["pgrep", "-f", str(tmp_path / "runs")], capture_output=True,
+                        text=True).stdout.split()
+  assert not left, left  # no worker outlived the study
+  records = json.loads((tmp_path / "tiny.json").read_text())["records"]
+  assert "test FDG K=2 seed 1" not in {r["what"] for r in records.values()}
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+  assert done.returncode == 0, done.stdout + done.stderr
+  records = json.loads((tmp_path / "tiny.json").read_text())["records"]
+  assert {r["what"] for r in records.values()} >= {"test FDG K=2 seed 0", "test FDG K=2 seed 1"}
