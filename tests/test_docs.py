@@ -150,13 +150,14 @@ def test_no_file_cites_a_spec_outside_the_repository():
   assert (ROOT / "docs" / "algorithms.md").exists()
 
 
-def test_the_bench_cores_table_is_what_its_json_prints():
+@pytest.mark.parametrize("name", ["bench_cores_cpu", "bench_cores_split5_cpu"])
+def test_the_bench_cores_table_is_what_its_json_prints(name):
   marker = ("<!-- bench cores: written by `python -m fdg_jax.bench cores --report "
-            "docs/results/bench_cores_cpu.json` -->")
+            f"docs/results/{name}.json` -->")
   text = (ROOT / "docs" / "benchmarks.md").read_text()
   assert marker in text
   out = subprocess.run([sys.executable, "-m", "fdg_jax.bench", "cores", "--report",
-                        "docs/results/bench_cores_cpu.json"], capture_output=True, text=True,
+                        f"docs/results/{name}.json"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-2000:]
   assert marker + "\n" + out.stdout.strip() + "\n" in text
