@@ -40,8 +40,10 @@ def _interrupt(tmp_path, sig):
   cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/default.py"),
          "--config.num_epochs=300", "--config.progress_bar=False"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # SIGHUP as a terminal leaves it (not ignored, as under nohup, where a run keeps going).
   run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
   end = time.time() + 120
   while time.time() < end and not list((tmp_path / "runs").glob("*/metrics.jsonl")):
     time.sleep(0.2)

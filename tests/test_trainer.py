@@ -182,6 +182,7 @@ def test_engines_and_ticks_per_call_train_alike(tmp_path):
     ("cifar10.py", "model=wrn28_10,k=2,algorithm=fdg"),
     ("cifar10.py", "model=resnet20,k=2,algorithm=bp,runlocal=1"),
     ("lm.py", None),
+    ("custom_data.py", None),
     ("cifar10.py", "model=resnet18,k=3,split=balanced"),
     ("cifar100.py", "model=resnet110,k=2,algorithm=fdg"),
     ("cifar100.py", "model=resnet18,k=2,algorithm=ddg"),
@@ -193,7 +194,7 @@ def test_config_files_load_and_validate(name, arg):
 
 def test_every_config_file_is_covered():
   files = {p.name for p in (ROOT / "configs").glob("*.py")}
-  assert files == {"default.py", "cifar10.py", "cifar100.py", "lm.py"}
+  assert files == {"default.py", "cifar10.py", "cifar100.py", "lm.py", "custom_data.py"}
 
 
 def test_paper_betas_are_used_by_default():
@@ -236,7 +237,8 @@ def test_bad_config_is_one_clear_error(field, value, needle):
 
 
 def test_spmd_engine_takes_fdg_only():
-  for overrides, needle in (({"algorithm": "ddg"}, "FDG only"),
+  for overrides, needle in (({"algorithm": "ddg"}, "read only the previous tick's messages "
+                             r"\(FDG\); ddg chains its stages"),
                             ({"algorithm": "fdg", "telemetry_every_steps": 5}, "telemetry")):
     with pytest.raises(trainer.ConfigError, match=needle) as e:
       trainer.validate(tiny_config(engine="spmd", **overrides))

@@ -135,7 +135,7 @@ def _tiny_protocol(tmp_path, dataset="digits", data_dir=""):
   spec["status"] = "run"
   spec["pilot"]["epochs"] = 2
   spec["cells"] = {"BP": {**spec["cells"]["BP"], "seeds": [0]},
-                   "FDG K=2": {**spec["cells"]["FDG K=2"], "seeds": [0]}}
+                   "FDG K=2": {**spec["cells"]["FDG K=2"], "seeds": [0], "split": "1"}}
   spec["targets"] = []
   p["parts"] = {"tiny": spec}
   path = tmp_path / "protocol.json"

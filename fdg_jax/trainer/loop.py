@@ -269,7 +269,7 @@ class TrainingLoop:
         eta = (self.run.total_steps - self.step) * (now - since["time"]) / max(
             self.step - since["step"], 1)
         print(f"step {self.step}/{self.run.total_steps} (epoch "
-              f"{self.step // self.run.steps_per_epoch + 1}/{self.config.num_epochs}): loss "
+              f"{-(-self.step // self.run.steps_per_epoch)}/{self.config.num_epochs}): loss "
               f"{row['train_loss']:.4f}, {rate:,.0f} examples/s, ETA {_duration(eta)}",
               file=sys.stderr, flush=True)
     self.since_log = {"loss": 0.0, "count": 0, "time": now, "step": self.step}
