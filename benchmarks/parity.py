@@ -159,7 +159,8 @@ def run_one(base, workroot: str, name: str, resume: bool = False, clear: bool = 
 
   With `resume`, a run of exactly this config left in the workdir by an interrupted process
   goes on from its newest checkpoint (the trainer's resume is bitwise exact) and the record
-  says from which step (`resumed_from_step`; its `wall_time` is this process's share). Any
+  says from which step (`resumed_from_step`; its `wall_time` goes on from the checkpoint's,
+  so the time lost between that checkpoint and the interruption is not counted). Any
   other workdir content is removed first (unless not `clear`: the processes of a
   multi-process run, whose launcher cleared it): a run never resumes with other settings."""
   from fdg_jax import trainer
