@@ -1,7 +1,7 @@
 """The README's results table, generated from the committed records.
 
     python benchmarks/results_table.py           # print it
-    python benchmarks/results_table.py --write   # and the results page's ResNet table, in place
+    python benchmarks/results_table.py --write   # and the generated blocks of the docs, in place
 
 One row per (workload, schedule) of the time-to-quality parts that have records, in the
 form of the Flax examples' tables: workload, schedule, steps, wall time and what it ran on,
@@ -146,10 +146,11 @@ def render() -> str:
 END = "<!-- end of the generated block -->"
 
 
-def _fashion_resnet_report() -> str:
+def _report(part: str, *flags: str) -> str:
+  """What `time_to_quality.py --part <part> --report <flags>` prints."""
   import subprocess
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_to_quality.py"),
-                        "--part", "fashion_resnet", "--report"], capture_output=True, text=True,
+                        "--part", part, "--report", *flags], capture_output=True, text=True,
                        check=True, cwd=ROOT)
   return out.stdout.strip()
 
@@ -163,9 +164,15 @@ def _replace(path: pathlib.Path, block: str) -> None:
 
 
 def write() -> None:
-  """Regenerates the README's table and docs/results.md's fashion_resnet table in place."""
+  """Regenerates, in place, the README's table, docs/results.md's fashion_resnet table and
+  docs/staleness.md's account of `staleness=auto` (its table and the runs behind each row)."""
+  from fdg_jax.optim import auto
   _replace(ROOT / "README.md", render())
-  _replace(ROOT / "docs" / "results.md", _fashion_resnet_report())
+  _replace(ROOT / "docs" / "results.md", _report("fashion_resnet"))
+  staleness = ROOT / "docs" / "staleness.md"
+  _replace(staleness, auto.markdown())
+  for part in ("fashion_mlp", "gpt_long"):
+    _replace(staleness, _report(part, "--auto_markdown"))
 
 
 if __name__ == "__main__":

@@ -881,21 +881,60 @@ def markdown(part: str, summary: dict, log: list[str]) -> str:
   return "\n".join(lines)
 
 
-def _auto_candidate(spec: dict, schedule: str) -> str | None:
-  """The name of the part's candidate that is `staleness=auto` alone at `schedule`, if any."""
-  return next((n for n, r in spec["remedies"].get(schedule, {}).items()
-               if r == {"staleness": "auto"}), None)
+def derive_auto(study: Study):
+  """The part's held-out choices as `fdg_jax.optim.auto` states them: a `Row` whose cells
+  map each delayed schedule's (algorithm, K) to a `Choice` of its chosen learning rate over
+  BP's chosen one and the remedy it chose, as config fields (a `staleness=auto` candidate
+  read as what it set when it ran: the record's `auto_resolved`) and fractions of the run.
+  Needs `study.select()` first."""
+  from fdg_jax import plans
+  from fdg_jax.optim import auto
+  spec = study.spec
+  bp = [s for s, v in spec["schedules"].items() if not plans.spec(v["algorithm"]).delayed]
+  if len(bp) != 1:
+    raise ProtocolError(f"part {study.part!r} has no single BP schedule to scale rates from")
+  bp_lr = study.fields(bp[0], study.chosen[bp[0]]["lr_mult"], None, 0)["learning_rate"]
+  cells = {}
+  for schedule, c in study.chosen.items():
+    if schedule in bp:
+      continue
+    names = c["remedy"].split(JOIN) if c["remedy"] else []
+    fractions = {k: v for n in names
+                 for k, v in spec["remedies"][schedule][n].get("fractions", {}).items()}
+    plain = study.held_out(schedule, c["lr_mult"])["fields"]
+    task = study.held_out(schedule, c["lr_mult"], c["remedy"])
+    chosen = trained_fields(task["fields"], study.record(task))
+    fields = {k: v for k, v in chosen.items()
+              if k not in fractions and k != "learning_rate" and plain.get(k) != v}
+    lr_mult = study.fields(schedule, c["lr_mult"], None, 0)["learning_rate"] / bp_lr
+    where = spec["schedules"][schedule]
+    cells[(where["algorithm"], where["num_stages"])] = auto.Choice(lr_mult, fields, fractions)
+  f = spec["fields"]
+  return auto.Row(part=study.part, what="", optimizer=f["optimizer"],
+                  momentum=f.get("momentum") if f["optimizer"] == "sgd" else None, cells=cells)
 
 
-def _run_label(record: dict, schedule: str) -> str:
-  """A test record's run without its seed: "lr x1 error_feedback 1 4 epochs"."""
-  return re.sub(r" seed \d+", "", record["what"]).removeprefix(f"test {schedule} ")
-
-
-def _beats(margin: float, se: float, show) -> str:
-  """'better by X, more than the standard error Y' (or worse, or not more)."""
-  return (f"{'better' if margin > 0 else 'worse'} by {show(abs(margin))}, "
-          f"{'more' if margin > se else 'not more'} than the standard error {show(se)}")
+def auto_mismatch(study: Study) -> str | None:
+  """Where `fdg_jax.optim.auto.STUDY` differs from the part's held-out choices (one line),
+  or None where they agree cell by cell (the learning-rate multiples to 1e-12)."""
+  from fdg_jax.optim import auto
+  derived = derive_auto(study)
+  rows = [r for r in auto.STUDY if r.part == study.part]
+  if not rows:
+    return f"auto.STUDY has no row for part {study.part}"
+  row = rows[0]
+  if (row.optimizer, row.momentum) != (derived.optimizer, derived.momentum):
+    return (f"auto.STUDY's {study.part} row is {row.optimizer} momentum {row.momentum}; the "
+            f"part ran {derived.optimizer} momentum {derived.momentum}")
+  if set(row.cells) != set(derived.cells):
+    return (f"auto.STUDY's {study.part} cells are {sorted(row.cells)}; the part's "
+            f"{sorted(derived.cells)}")
+  for cell, want in derived.cells.items():
+    got = row.cells[cell]
+    if ((dict(got.fields), dict(got.fractions)) != (dict(want.fields), dict(want.fractions))
+        or not math.isclose(got.lr_mult, want.lr_mult, rel_tol=1e-12)):
+      return f"auto.STUDY at {cell} is {got}; the part's held-out choice is {want}"
+  return None
 
 
 def _auto_header(study: Study) -> str:
@@ -904,127 +943,43 @@ def _auto_header(study: Study) -> str:
 
 
 def auto_markdown(study: Study, summary: dict) -> str:
-  """What `staleness=auto` gave in the part, for the README: for each schedule where the
-  protocol tried it, its held-out score against no remedy (at the schedule's chosen rate)
-  and the test runs that the choice led to, with or without it. Refused when auto now sets
-  something else than those runs did. A part with horizons: `auto_markdown_horizons`."""
-  if "horizons" in study.spec:
-    return auto_markdown_horizons(study, summary)
-  rows = summary["rows"]
-  lines = [_auto_header(study),
-           f"| schedule | held-out accuracy %: `auto` vs no remedy (seed "
-           f"{study.spec['selection_seed']}) | chosen | test accuracy % (mean ± std) | vs BP |",
-           "|---|---|---|---|---|"]
-  for schedule in study.spec["remedies"]:
-    name = _auto_candidate(study.spec, schedule)
-    if name is None or schedule not in rows:
-      continue
-    lr = study.chosen[schedule]["lr_mult"]
-    plain = study.record(study.held_out(schedule, lr))
-    task = study.held_out(schedule, lr, name)
-    auto = study.record(task)
-    if auto["auto_resolved"] != auto_resolution(task):
-      raise ProtocolError(f"auto now sets {auto_resolution(task)} at {schedule}, not what the "
-                          f"part's runs of it set ({auto['auto_resolved']}): rerun them")
-    verdict = _beats(study.score(auto) - study.score(plain), study.standard_error(plain),
-                     lambda v: f"{100 * v:.2f}")
-    r = rows[schedule]
-    chosen = f"lr ×{r['lr_mult']:g}" + (f", `{r['remedy']}`" if r["remedy"] else ", no remedy")
-    lines.append(f"| {schedule} | {100 * study.score(auto):.2f} vs "
-                 f"{100 * study.score(plain):.2f}: {verdict} | {chosen} | "
-                 f"{r['mean']:.2f} ± {r['std']:.2f} | {r['gap']:+.2f} |")
-  return "\n".join(lines)
-
-
-def runs_like(study: Study, split: str, target: dict) -> list[dict]:
-  """The part's records of `split` that trained exactly the fields `target` (a task's fields
-  with what auto sets applied), whatever their candidates' names, one per seed."""
-  strip = lambda f: {k: v for k, v in f.items() if k != "seed"}
-  want = strip(target)
-  found = [r for r in study.records.values()
-           if r.get("protocol_sha256") == study.sha and r["split"] == split
-           and strip(trained_fields(r["fields"], r)) == want]
-  return sorted(found, key=lambda r: r["fields"]["seed"])
-
-
-def auto_check(study: Study, schedule: str, workroot: pathlib.Path) -> str:
-  """Trains the part's test task of `staleness=auto` at `schedule` (its chosen lr, the
-  shortest horizon, the first test seed) through the trainer with auto as it is now, and
-  compares it with the part's record that trained the same fields: one line."""
-  spec = study.spec
-  if "horizons" not in spec:
-    raise ProtocolError("--auto_check reads a part with horizons")
-  name = _auto_candidate(spec, schedule)
-  if name is None:
-    raise ProtocolError(f"the part tried no staleness=auto at {schedule!r}")
-  lr, h, seed = study.chosen[schedule]["lr_mult"], min(spec["horizons"]), spec["test_seeds"][0]
-  task = study.task("test", schedule, lr, name, seed, epochs=h)
-  same = [r for r in runs_like(study, "test", trains_now(task))
-          if r["fields"]["seed"] == seed]
-  if not same:
-    raise ProtocolError(f"the part has no test run of what auto sets now at {schedule} "
-                        f"({auto_resolution(task)}) at {h} epoch(s)")
-  workroot.mkdir(parents=True, exist_ok=True)
-  ran = _worker({**task, "workroot": str(workroot)})
-  ref = same[0]
-  equal = [c["test_loss"] for c in ran["curve"]] == [c["test_loss"] for c in ref["curve"]]
-  which = _run_label(ref, schedule)
+  """The docs' table of what `staleness=auto` sets from this part, each row with the test
+  result of that setting (the chosen setting's test runs); refused where `auto.STUDY` is not
+  the part's held-out choice."""
   from fdg_jax.optim import auto
-  return (f"{schedule}: staleness=auto ({auto.describe(ran['auto_resolved'])}) through the "
-          f"trainer, {h * text_steps_per_epoch(spec)} steps, seed {seed}: test loss "
-          f"{ran['test_loss']!r}; the "
-          f"part's run of the same fields ({which}): {ref['test_loss']!r}; every evaluation "
-          f"({len(ran['curve'])}) equal: {'yes' if equal else 'no'}"
-          + ("" if equal or ref.get("env") == ran.get("env") else
-             f" (the record ran on {_env(ref.get('env'))}, this run on {_env(ran.get('env'))})"))
-
-
-def _env(env: dict | None) -> str:
-  if not env:
-    return "a machine it does not name"
-  return (f"jax {env['jax']}, jaxlib {env['jaxlib']}, {env['cpu']}, {env['cores']} core(s), "
-          f"{env['backend']}")
-
-
-def auto_markdown_horizons(study: Study, summary: dict) -> str:
-  """The README's table for a part with horizons: for each delayed schedule where the
-  protocol tried `staleness=auto`, what auto sets *now* at the schedule's chosen rate, and the
-  part's runs that trained exactly that (whatever the candidate was called when it ran): its
-  held-out loss against no remedy, and its test perplexity at the longest horizon against
-  BP's. Where the part never ran what auto now sets, the row says so."""
-  spec, spe = study.spec, summary["steps_per_epoch"]
-  h = max(spec["horizons"])
-  longest = summary["horizons"][str(h)]
+  wrong = auto_mismatch(study)
+  if wrong:
+    raise ProtocolError(f"{wrong}: make fdg_jax/optim/auto.py's STUDY the part's choices")
+  derived = derive_auto(study)
+  horizons = "horizons" in study.spec
+  if horizons:
+    block = summary["horizons"][str(max(study.spec["horizons"]))]
+    rows, metric = block["rows"], f"test perplexity at {block['bp_steps']} steps (mean ± std)"
+  else:
+    rows, metric = summary["rows"], "test accuracy % (mean ± std)"
+  bp = next(s for s, v in study.spec["schedules"].items() if (v["algorithm"], v["num_stages"])
+            not in derived.cells)
+  bp_lr = study.fields(bp, study.chosen[bp]["lr_mult"], None, 0)["learning_rate"]
   lines = [_auto_header(study),
-           f"| schedule | `staleness=auto` sets (the study's lr) | held-out loss at "
-           f"{spec['selection_epochs'] * spe} steps: that vs no remedy (seed "
-           f"{spec['selection_seed']}) | test perplexity at {h * spe} steps (mean ± std), vs "
-           "BP | the part's runs of it |", "|---|---|---|---|---|"]
-  from fdg_jax.optim import auto
-  for schedule in spec["remedies"]:
-    name = _auto_candidate(spec, schedule)
-    if name is None or schedule not in longest["rows"]:
+           f"| schedule | `staleness=auto` sets (lr relative to BP's chosen {bp_lr:g}) | the "
+           f"part's held-out choice | {metric} | vs BP |", "|---|---|---|---|---|"]
+  for schedule, where in study.spec["schedules"].items():
+    cell = (where["algorithm"], where["num_stages"])
+    if cell not in derived.cells or schedule not in rows:
       continue
-    lr = study.chosen[schedule]["lr_mult"]
-    held_task, test_task = (study.held_out(schedule, lr, name),
-                            study.task("test", schedule, lr, name, spec["test_seeds"][0],
-                                       epochs=h))
-    sets = f"lr ×{lr:g}, {auto.describe(auto_resolution(test_task))}"
-    held = runs_like(study, "held_out", trains_now(held_task))
-    test = runs_like(study, "test", trains_now(test_task))
-    if not held or len(test) < len(spec["test_seeds"]):
-      lines.append(f"| {schedule} | {sets} | not run in this part | – | – |")
-      continue
-    plain = study.record(study.held_out(schedule, lr))
-    verdict = (f"{held[0]['test_loss']:.4f} vs {plain['test_loss']:.4f}: "
-               + _beats(study.score(held[0]) - study.score(plain),
-                        study.standard_error(plain), lambda v: f"{v:.4f}"))
-    mean, std, n = _ppl(test)
-    gap = mean / longest["bp_ppl"] - 1
-    which = _run_label(test[0], schedule)
-    lines.append(f"| {schedule} | {sets} | {verdict} | {mean:.3f} ± {std:.3f}"
-                 + (f" ({len(test) - n} diverged)" if n < len(test) else "")
-                 + f", {100 * gap:+.1f}% | {which} |")
+    c, r = derived.cells[cell], rows[schedule]
+    sets = [f"lr ×{c.lr_mult:g}",
+            f"`{auto.describe(dict(c.fields))}`" if c.fields else "no remedy"]
+    sets += [f"{k} {v:g} × num_epochs" for k, v in c.fractions.items()]
+    held = study.record(study.held_out(schedule, r["lr_mult"], r["remedy"]))
+    lr = study.fields(schedule, r["lr_mult"], None, 0)["learning_rate"]
+    chosen = f"lr {lr:g}, {r['remedy'] or 'no remedy'}" + _auto_note(
+        held.get("auto_resolved"))
+    if horizons:
+      value, gap = f"{r['ppl']:.3f} ± {r['ppl_std']:.3f}", f"{100 * r['gap']:+.1f}%"
+    else:
+      value, gap = f"{r['mean']:.2f} ± {r['std']:.2f}", f"{r['gap']:+.2f}"
+    lines.append(f"| {schedule} | {', '.join(sets)} | {chosen} | {value} | {gap} |")
   return "\n".join(lines)
 
 
@@ -1083,14 +1038,11 @@ def main(argv=None) -> int:
   parser.add_argument("--report", action="store_true", help="from the part's records only")
   parser.add_argument("--markdown", action="store_true", help="print the docs' table only")
   parser.add_argument("--auto_markdown", action="store_true",
-                      help="print the README's table of what staleness=auto gave only")
+                      help="print the docs' table of what staleness=auto sets from this part "
+                           "(refused where it is not the part's held-out choice) only")
   parser.add_argument("--status", action="store_true",
                       help="where the part stands: choices so far and the next runs (trains "
                            "nothing, reads no test score)")
-  parser.add_argument("--auto_check", default="", metavar="SCHEDULE",
-                      help="train the part's staleness=auto test run at SCHEDULE (the "
-                           "shortest horizon, the first seed) with auto as it is now and "
-                           "compare it with the record of the same fields (writes no record)")
   parser.add_argument("--jobs", type=int, default=2)
   parser.add_argument("--plot", default="", help="a PNG of the test curves against steps")
   parser.add_argument("--workdir", default=str(ROOT / "runs" / "time_to_quality"))
@@ -1098,9 +1050,6 @@ def main(argv=None) -> int:
   parser.add_argument("--targets_json", action="store_true",
                       help="with --report: the part's pre-registered targets as a JSON list")
   args = parser.parse_args(argv)
-  if args.auto_check and not args.report:
-    parser.error("--auto_check compares with the part's records, training no other run: "
-                 "add --report")
   protocol = load_protocol(args.protocol)
   if args.part not in protocol["parts"]:
     parser.error(f"unknown part {args.part!r}; the protocol has {list(protocol['parts'])}")
@@ -1125,9 +1074,6 @@ def main(argv=None) -> int:
   try:
     study = Study(protocol, args.part, runner, runner.records)
     study.select()
-    if args.auto_check:  # needs the choices and the one record it compares with
-      print(auto_check(study, args.auto_check, pathlib.Path(args.workdir) / "auto_check"))
-      return 0
     tests = study.test()
   except ProtocolError as e:
     raise SystemExit(f"error: {e}")

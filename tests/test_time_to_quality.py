@@ -7,6 +7,7 @@ choice is made, so a choice read from test records changes the outcome.
 
 import concurrent.futures
 import copy
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -406,41 +407,44 @@ def _row(table: str, schedule: str) -> str:
   return next(line for line in table.splitlines() if line.startswith(f"| {schedule} |"))
 
 
-def test_the_readme_auto_rows_quote_the_runs_of_what_auto_sets_now(monkeypatch):
+def test_the_auto_rows_are_refused_unless_auto_is_the_parts_choice_then_quote_its_runs(
+    monkeypatch):
+  """The report's auto table: refused while `fdg_jax.optim.auto.STUDY` is not the part's
+  held-out choice (the fake part chose otherwise than the committed one); with STUDY made the
+  derived row, each delayed schedule's line is what auto sets and its chosen runs' figures."""
+  from fdg_jax.optim import auto
   study, runner = _gpt_study()
   study.select()
-  tests = study.test()
-  summary = ttq.summarise_horizons(study, tests)
-  bp6 = statistics_mean([math.exp(1.20 - 0.10 + 0.001 * s) for s in (0, 1)])
-  # As the fake's records were made: each auto run matches itself. DDG K=4 (plain chosen):
-  # its auto runs, held-out (1.30 - 0.005) and at 6,000 steps (1.15 + 0.3 - 0.10 + seed).
+  summary = ttq.summarise_horizons(study, study.test())
+  with pytest.raises(ttq.ProtocolError, match="make fdg_jax/optim/auto.py's STUDY"):
+    ttq.auto_markdown(study, summary)
+  derived = ttq.derive_auto(study)
+  # G_EXPECTED over BP's x1, each on its schedule's lr_base: DDG K=4 plain at x2, FDG K=8
+  # error_feedback 1 at x1.
+  base = GPT.get("lr_base", {})
+  assert derived.cells[("ddg", 4)] == auto.Choice(
+      2.0 * base.get("DDG K=4", 1.0) / base.get("BP", 1.0), {}, {})
+  assert derived.cells[("fdg", 8)].lr_mult == base.get("FDG K=8", 1.0) / base.get("BP", 1.0)
+  assert dict(derived.cells[("fdg", 8)].fields) == {"staleness": "error_feedback",
+                                                    "staleness_strength": 1.0}
+  assert dict(derived.cells[("fdg", 4)].fractions) == {"warmup_epochs": 0.3333}  # protocol
+  rows = [r for r in auto.STUDY if r.part != "gpt_long"]
+  monkeypatch.setattr(auto, "STUDY", (*rows, derived))
+  assert ttq.auto_mismatch(study) is None
   table = ttq.auto_markdown(study, summary)
   assert "| test perplexity at 6000 steps" in table.splitlines()[1]
-  ddg = _row(table, "DDG K=4")
-  ppl = statistics_mean([math.exp(1.35 + 0.001 * s) for s in (0, 1)])
-  assert ddg.startswith("| DDG K=4 | lr ×2, error_feedback+weight_prediction, "
-                        "staleness_strength 1 | 1.2950 vs 1.3000: better by 0.0050, not more "
-                        "than the standard error 0.0100 | ")
-  assert ddg.endswith(f", {100 * (ppl / bp6 - 1):+.1f}% | lr x2 auto 4 epochs |")
-  # auto's table changed since: the rows quote whichever runs trained what it sets now, or
-  # say the part never ran it.
-  now = {("ddg", 4): {"staleness": "dc"},
-         ("fdg", 4): {"staleness": "dc"},
-         ("fdg", 8): {"staleness": "error_feedback", "staleness_strength": 1.0}}
-  monkeypatch.setattr(ttq, "auto_resolution", lambda task: now[
-      task["fields"]["algorithm"], task["fields"]["num_stages"]])
-  report = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(runner.records), runner.records)
-  report.select()
-  table = ttq.auto_markdown(report, ttq.summarise_horizons(report, report.test()))
-  assert _row(table, "DDG K=4") == "| DDG K=4 | lr ×2, dc | not run in this part | – | – |"
-  assert "not run in this part" in _row(table, "FDG K=4")
-  fdg8 = _row(table, "FDG K=8")  # the chosen error_feedback 1 runs (1.60 + 0.3 - 0.10)
-  ppl = statistics_mean([math.exp(1.80 + 0.001 * s) for s in (0, 1)])
-  std = statistics.stdev([math.exp(1.80 + 0.001 * s) for s in (0, 1)])
-  assert fdg8 == (f"| FDG K=8 | lr ×1, error_feedback, staleness_strength 1 | 1.4500 vs "
-                  f"1.5500: better by 0.1000, more than the standard error 0.0100 | "
-                  f"{ppl:.3f} ± {std:.3f}, "
-                  f"{100 * (ppl / bp6 - 1):+.1f}% | lr x1 error_feedback 1 4 epochs |")
+  block = summary["horizons"]["4"]["rows"]
+  for schedule in ("DDG K=4", "FDG K=4", "FDG K=8"):
+    r = block[schedule]
+    assert _row(table, schedule).endswith(
+        f"| {r['ppl']:.3f} ± {r['ppl_std']:.3f} | {100 * r['gap']:+.1f}% |"), schedule
+  assert _row(table, "DDG K=4").startswith(
+      f"| DDG K=4 | lr ×{derived.cells[('ddg', 4)].lr_mult:g}, no remedy | lr ")
+  assert "`error_feedback, staleness_strength 1`" in _row(table, "FDG K=8")
+  # a cell of STUDY changed by hand: refused again, naming it
+  cells = {**derived.cells, ("fdg", 8): auto.Choice(0.5, {}, {})}
+  monkeypatch.setattr(auto, "STUDY", (*rows, dataclasses.replace(derived, cells=cells)))
+  assert "at ('fdg', 8)" in ttq.auto_mismatch(study)
 
 
 def test_steps_to_fall_to_a_loss():
@@ -456,8 +460,9 @@ README = ROOT / "README.md"
 def test_the_docs_auto_table_is_what_the_report_prints_from_the_committed_json():
   table = _report("--auto_markdown")
   assert table.startswith("<!-- time_to_quality fashion_mlp auto")
-  # Both schedules that tried auto, one kept (K=8) and one not (K=4).
-  assert "| FDG K=8 |" in table and "`auto` |" in table and "no remedy |" in table
+  # The three delayed cells: two chose no remedy (both columns), K=8 what auto set then.
+  assert all(f"| {s} |" in table for s in ("DDG K=4", "FDG K=4", "FDG K=8"))
+  assert table.count("no remedy |") == 4 and "`spike_compensation+weight_prediction`" in table
   assert table in DOCS.read_text(), "docs/staleness.md's auto table differs from the report"
 
 
@@ -596,9 +601,9 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_p
   from fdg_jax import trainer
   base = ttq.load_config(str(ROOT / "configs" / "default.py"))
   base.model_kwargs.widths = (16, 16, 16)
-  fields = dict(algorithm="fdg", num_stages=2, batch_size=128, num_epochs=2, momentum=0.9,
+  fields = dict(algorithm="fdg", num_stages=4, batch_size=128, num_epochs=2, momentum=0.9,
                 checkpoint_every_steps=4, staleness="auto", warmup_epochs=0.0)
-  assert trainer.auto_fields(ttq.with_fields(base, **fields))[0]  # auto sets something here
+  assert "learning_rate" in trainer.auto_fields(ttq.with_fields(base, **fields))[0]  # it sets
   whole = ttq.run_one(base, str(tmp_path / "whole"), "k", resume=True, **fields)
   assert "resumed_from_step" not in whole
   import jax
@@ -617,72 +622,6 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_record(tmp_p
   assert "resumed_from_step" not in other and other["test_loss"] != whole["test_loss"]
   fresh = ttq.run_one(base, str(tmp_path / "whole"), "k", **fields)
   assert "resumed_from_step" not in fresh and strip(fresh) == strip(whole)
-
-
-def test_auto_sets_exactly_what_the_gpt_part_chose_on_held_out_data():
-  """`staleness=auto` for the Adam family = the gpt_long part's held-out choice in each
-  delayed cell: the auto run's fields, resolved as the trainer would, equal the chosen
-  setting's (as it trained) at the selection length and at every horizon."""
-  records = json.loads(GPT_RESULT.read_text())["records"]
-  study = ttq.Study(_protocol(), "gpt_long", ttq.ReadOnly(records), records)
-  study.select()
-  for schedule, chosen in study.chosen.items():
-    if schedule == "BP":
-      continue
-    lr, remedy = chosen["lr_mult"], chosen["remedy"]
-    held = study.record(study.held_out(schedule, lr, remedy))
-    auto = study.held_out(schedule, lr, "auto")
-    assert trained(held) == {**auto["fields"], **ttq.auto_resolution(auto)}, schedule
-    for h in GPT["horizons"]:
-      mine = study.task("test", schedule, lr, remedy, 0, epochs=h)
-      auto = study.task("test", schedule, lr, "auto", 0, epochs=h)
-      want = {**auto["fields"], **ttq.auto_resolution(auto)}
-      if mine["fields"].get("staleness") == "auto":
-        mine["fields"].update(ttq.auto_resolution(mine))
-      assert mine["fields"] == want, (schedule, h)
-
-
-def trained(record):
-  return ttq.trained_fields(record["fields"], record)
-
-
-def test_auto_check_trains_auto_now_and_compares_with_the_run_of_the_same_fields(monkeypatch,
-                                                                                 tmp_path):
-  study, runner = _gpt_study()
-  study.select()
-  study.test()
-  # FDG K=4 chose auto & warmup 1/3 at x0.5: auto alone now trains the same fields.
-  ref = runner.records[study.task("test", "FDG K=4", 0.5, "auto & warmup 1/3", 0, epochs=1)[
-      "key"]]
-  trained = []
-
-  def worker(task):  # a deterministic trainer: the same fields give the same run
-    trained.append(task)
-    return {**ref, "auto_resolved": ttq.auto_resolution(task)}
-
-  monkeypatch.setattr(ttq, "_worker", worker)
-  line = ttq.auto_check(study, "FDG K=4", tmp_path)
-  assert len(trained) == 1 and trained[0]["fields"]["staleness"] == "auto"
-  assert trained[0]["fields"]["num_epochs"] == 1 and trained[0]["fields"]["seed"] == 0
-  assert trained[0]["key"] not in runner.records  # a run the part never made
-  assert line == ("FDG K=4: staleness=auto (error_feedback, staleness_strength 1, "
-                  "warmup_epochs 0.3333) through the trainer, 1500 steps, seed 0: test loss "
-                  f"{ref['test_loss']!r}; the part's run of the same fields (lr x0.5 auto & "
-                  f"warmup 1/3 1 epochs): {ref['test_loss']!r}; every evaluation (6) equal: yes")
-  # a run that ends elsewhere says so
-  monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "curve": [
-      {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
-  env = {"jax": "0.10.2", "jaxlib": "0.10.2", "cpu": "a CPU", "cores": 2, "backend": "cpu"}
-  assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith("equal: no")
-  monkeypatch.setattr(ttq, "_worker", lambda task: {**worker(task), "env": env, "curve": [
-      {**c, "test_loss": c["test_loss"] + 1e-9} for c in ref["curve"]]})
-  assert ttq.auto_check(study, "FDG K=4", tmp_path).endswith(
-      "equal: no (the record ran on a machine it does not name, this run on jax 0.10.2, "
-      "jaxlib 0.10.2, a CPU, 2 core(s), cpu)")
-  with pytest.raises(ttq.ProtocolError, match="no staleness=auto at 'BP'"):
-    ttq.auto_check(study, "BP", tmp_path)
-  with pytest.raises(ttq.ProtocolError, match="no test run of what auto sets now at FDG K=8"):
-    ttq.auto_check(study, "FDG K=8", tmp_path)
 
 
 def test_a_pool_worker_whose_study_is_gone_exits_after_its_run(monkeypatch):

@@ -13,7 +13,7 @@ Modules, each holding one kind of thing:
 - `methods`: the registry of staleness methods by name (`--config.staleness`): settings,
   config fields and their validation, and how a stage's transform is built and combined
   (`stage_optimizer`).
-- `auto`: `--config.staleness=auto`, the delay-robustness study's choice (`recommend`).
+- `auto`: `--config.staleness=auto`, the time-to-quality study's held-out choice (`recommend`).
 - `shrinking`: FDG's gradient shrinking, `optax.scale` by beta ** (K-1-k) (`shrink`).
 
 `fdg_jax.staleness`, `fdg_jax.optimizers` and `fdg_jax.shrink` re-export these under the

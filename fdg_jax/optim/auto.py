@@ -1,223 +1,173 @@
-"""`--config.staleness=auto`: the delay-robustness study's choice, and nothing beyond it.
+"""`--config.staleness=auto`: the time-to-quality study's held-out choice, and nothing else.
 
-`recommend` maps (optimiser, schedule, K, momentum, ...) to the config fields the studies
-chose on held-out data (benchmarks/time_to_quality.py and benchmarks/delay_robust.py,
-docs/staleness.md): a staleness remedy (`fdg_jax.optim.methods` names it), a warm-up where
-the study lengthened it, and for the Adam family rotated Adam
-(`fdg_jax.optim.adaptive.basis_rotation`) in the optimiser's place. `STUDY` is the table of
-those choices, cell by cell; a cell the study did not run gets nothing. `state_memory` and
-`tree_bytes` size the optimiser state a switch costs, for the line the trainer prints.
+The time-to-quality study (benchmarks/time_to_quality.py, its protocol committed before its
+runs) chose, for each optimiser it ran and each delayed cell (schedule, K), a learning rate
+and a staleness remedy on a held-out split of the training data. `STUDY` is those choices,
+cell by cell: the learning rate as a multiple of the rate the same part chose for BP (so that
+`auto` scales the user's rate, taken to be one that suits BP), and the remedy as config
+fields and fractions of the run, or no remedy. `recommend` returns a cell's choice for a
+config that matches it, and nothing for any other (another optimiser, momentum, K, beta,
+...); it never changes the optimiser. tests/test_auto_study.py derives this table from the
+study's committed records and compares it with this one, cell by cell.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-from typing import Optional
-
-import jax
-import jax.numpy as jnp
+import dataclasses
+from typing import Mapping, Optional
 
 from fdg_jax import plans
-from fdg_jax.optim.adaptive import basis_rotation
-
-AUTO_SGD = {"staleness": "spike_compensation+weight_prediction"}
-AUTO_SGD_FDG4 = {"staleness": "nesterov_delay", "nesterov_gamma": 0.9}
-# The time-to-quality GPT's choices (rotated Adam; docs/staleness.md, part gpt_long). A
-# warm-up of a third of the run: `WARMUP` (the protocol's 0.3333) x the run's num_epochs.
-WARMUP = "warmup_fraction"
-AUTO_ADAM_DDG4 = {"staleness": "error_feedback+weight_prediction", "staleness_strength": 1.0}
-AUTO_ADAM_FDG4 = {"staleness": "error_feedback", "staleness_strength": 1.0, WARMUP: 0.3333}
-AUTO_ADAM_FDG8 = {"staleness": "error_feedback", "staleness_strength": 0.5, WARMUP: 0.3333}
-AUTO_ADAM = {"optimizer": "basis_rotation", **AUTO_ADAM_FDG8}  # at FDG K = 8
-ROTATED = AUTO_ADAM["optimizer"]
-# The Adam family as the study ran it: adamw (adam is the same at weight decay 0, as the
-# study ran it), nadam_warmup, and rotated Adam itself. `auto` may replace these, and only
-# these, by rotated Adam; muon (studied, but not Adam), lion, optax's nadam, ...: never.
-ADAM_FAMILY = ("adam", "adamw", "nadam_warmup", ROTATED)
-SGD_MOMENTUM = 0.9  # the only SGD momentum of the study (the MLP, heavy ball)
-STUDIED_K = (4, 8)
 
 
-def _ef(strength: float) -> dict:
-  return {"staleness": "error_feedback", "staleness_strength": strength}
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """A cell's held-out choice. `lr_mult`: its chosen learning rate over BP's chosen one in
+  the same part; `fields`: the remedy's config fields ({}: no remedy); `fractions`: config
+  fields set to a fraction of the run's num_epochs (a warm-up of a third of it, say)."""
+  lr_mult: float
+  fields: Mapping = dataclasses.field(default_factory=dict)
+  fractions: Mapping = dataclasses.field(default_factory=dict)
 
 
-# family -> {(algorithm, K): (the optimiser the study chose in the family's place, or None for
-# the user's; the remedy it chose, or None where none was tried)}. A cell absent: not run.
-# sgd: the MLP (spike_compensation+weight_prediction at both K = 8 cells and every width;
-#   nesterov_delay 0.9 at FDG K = 4 at widths 96 and 128, error_feedback 0.5 at width 64;
-#   DDG K = 4: the lr grid only). adam: rotated Adam (best in every cell of the ViT and the
-#   GPT of delay_robust.py); its remedies from the time-to-quality GPT (part gpt_long, held
-#   out at 1,500 steps: error_feedback 1 & weight_prediction at DDG K = 4, error_feedback 1
-#   with a third of the run as warm-up at FDG K = 4, error_feedback 0.5 with that warm-up at
-#   FDG K = 8); DDG K = 8: the ViT of delay_robust.py, no remedy tried. muon: the GPT of
-#   delay_robust.py (error_feedback, its strength as chosen per cell; the ViT tried no
-#   remedy for it; DDG K = 8 not run).
-STUDY = {
-    "sgd": {("ddg", 4): (None, None), ("fdg", 4): (None, AUTO_SGD_FDG4),
-            ("ddg", 8): (None, AUTO_SGD), ("fdg", 8): (None, AUTO_SGD)},
-    "adam": {("ddg", 4): (ROTATED, AUTO_ADAM_DDG4), ("fdg", 4): (ROTATED, AUTO_ADAM_FDG4),
-             ("ddg", 8): (ROTATED, None), ("fdg", 8): (ROTATED, AUTO_ADAM_FDG8)},
-    "muon": {("ddg", 4): (None, _ef(1.0)), ("fdg", 4): (None, _ef(0.5)),
-             ("fdg", 8): (None, _ef(1.0))},
-}
-_FAMILY_NAMES = {"sgd": "SGD with momentum 0.9", "adam": "the Adam family", "muon": "muon"}
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """The study's choices for one optimiser: `part` of the protocol, what it ran (`what`),
+  the optimiser's name and, for SGD, its heavy-ball momentum; `cells`: (algorithm, K) ->
+  Choice."""
+  part: str
+  what: str
+  optimizer: str
+  momentum: Optional[float]
+  cells: Mapping
 
 
-def _family(optimizer: str, momentum: float, nesterov: bool) -> tuple[Optional[str], str]:
-  """(the study's family of the optimiser or None, what it is when None)."""
-  if optimizer == "sgd":
+# Derived from the records by tests/test_auto.py: edit it only with the records.
+STUDY = (
+    Row(part="fashion_mlp", what="SGD with heavy-ball momentum 0.9", optimizer="sgd",
+        momentum=0.9, cells={
+            ("ddg", 4): Choice(1.0),
+            ("fdg", 4): Choice(0.5),
+            ("fdg", 8): Choice(0.25, {"staleness": "spike_compensation+weight_prediction"}),
+        }),
+    Row(part="gpt_long", what="basis_rotation (rotated Adam)", optimizer="basis_rotation",
+        momentum=None, cells={
+            ("ddg", 4): Choice(0.5, {"staleness": "error_feedback+weight_prediction",
+                                     "staleness_strength": 1.0}),
+            ("fdg", 4): Choice(0.25, {"staleness": "error_feedback", "staleness_strength": 1.0},
+                               {"warmup_epochs": 0.3333}),
+            ("fdg", 8): Choice(0.125, {"staleness": "error_feedback",
+                                       "staleness_strength": 0.5},
+                               {"warmup_epochs": 0.3333}),
+        }),
+)
+# Optimisers near one the study ran, which `auto` leaves alone: the line names the row.
+NEAR = {"adam": "basis_rotation", "adamw": "basis_rotation", "nadam_warmup": "basis_rotation"}
+DOCS = "docs/staleness.md#what-stalenessauto-sets"
+
+
+def _cells(row: Row) -> str:
+  return ", ".join(f"{a.upper()} K={k}" for a, k in row.cells)
+
+
+def _row(optimizer: str, momentum: float, nesterov: bool) -> tuple[Optional[Row], str]:
+  """(the study's row for this optimiser, or None and why not)."""
+  rows = [r for r in STUDY if r.optimizer == optimizer]
+  ran = " and ".join(r.what for r in STUDY)
+  if not rows:
+    near = next((r for r in STUDY if r.optimizer == NEAR.get(optimizer)), None)
+    hint = (f"; for its {near.what} row use --config.optimizer={near.optimizer}"
+            if near else "")
+    return None, f"the study chose for {ran} only, not {optimizer}{hint}"
+  row = rows[0]
+  if row.momentum is not None:
     if nesterov:
-      return None, "sgd with Nesterov momentum"
-    if not momentum:
-      return None, "sgd without momentum"
-    if abs(momentum - SGD_MOMENTUM) > 1e-9:
-      return None, f"sgd with momentum {momentum:g}; the study ran {SGD_MOMENTUM:g}"
-    return "sgd", ""
-  if optimizer in ADAM_FAMILY:
-    if nesterov and optimizer in ("adam", "adamw"):  # optax's adam(w) turns into NAdam(W)
-      return None, f"{optimizer} with nesterov=True"
-    return "adam", ""
-  if optimizer == "muon":
-    return "muon", ""
-  return None, optimizer
+      return None, f"the study ran {row.what}, not Nesterov's"
+    if abs(momentum - row.momentum) > 1e-9:
+      return None, f"the study ran {row.what}, not momentum {momentum:g}"
+  return row, ""
 
 
-def _cell(family: str, algorithm: str, K: int):
-  """((optimiser, remedy), where) of the study at (algorithm, K), or (None, why not)."""
-  cells = STUDY[family]
-  lo, hi = STUDIED_K
-  name = f"{algorithm.upper()} K={K}"
-  if (algorithm, K) in cells:
-    return cells[(algorithm, K)], f"at {name}"
-  if lo < K < hi and (algorithm, lo) in cells and (algorithm, hi) in cells:
-    (o1, r1), (o2, r2) = cells[(algorithm, lo)], cells[(algorithm, hi)]
-    return ((o1 if o1 == o2 else None, r1 if r1 == r2 else None),
-            f"at both {algorithm.upper()} K={lo} and K={hi}")
-  ran = " and ".join(str(k) for a, k in sorted(cells) if a == algorithm)
-  return None, f"{name} not studied for {_FAMILY_NAMES[family]}; it ran K = {ran}"
-
-
-def _config_fields(remedy: dict, num_epochs) -> dict:
-  """A remedy as config fields: a warm-up fraction becomes warmup_epochs of this run."""
-  fields = {k: v for k, v in remedy.items() if k != WARMUP}
-  if WARMUP in remedy:
+def _fields(choice: Choice, learning_rate, num_epochs) -> dict:
+  """A choice as config fields for a run at the user's `learning_rate` and `num_epochs`."""
+  fields = {"staleness": "none", **choice.fields}
+  if choice.lr_mult != 1.0:
+    if learning_rate is None:
+      raise ValueError("this choice scales the learning rate: pass learning_rate")
+    fields["learning_rate"] = learning_rate * choice.lr_mult
+  for name, fraction in choice.fractions.items():
     if num_epochs is None:
-      raise ValueError("this choice sets a warm-up of a fraction of the run: pass num_epochs")
-    fields["warmup_epochs"] = remedy[WARMUP] * num_epochs  # as the study's protocol did
+      raise ValueError("this choice sets a field to a fraction of the run: pass num_epochs")
+    fields[name] = fraction * num_epochs  # as the study's protocol did
   return fields
 
 
 def describe(fields: dict) -> str:
   """Config fields as the start line names them: 'error_feedback, staleness_strength 0.5'."""
-  return fields["staleness"] + "".join(f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}"
-                                       for k, v in fields.items() if k != "staleness")
+  rest = {k: v for k, v in fields.items() if k not in ("staleness", "learning_rate")}
+  return fields.get("staleness", "none") + "".join(
+      f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}" for k, v in rest.items())
 
 
 def recommend(optimizer: str, algorithm: str, *, num_stages: int, momentum: float = 0.0,
               nesterov: bool = False, beta: float = 1.0, backward: str = "stash",
-              hparams=(), num_epochs: float | None = None) -> tuple[dict, str]:
+              learning_rate: float | None = None,
+              num_epochs: float | None = None) -> tuple[dict, str]:
   """What `--config.staleness=auto` sets: (config fields, one line saying so).
 
-  Exactly the held-out choices of the studies (docs/staleness.md, `STUDY`), and nothing
-  where they did not choose:
-
-  - SGD with heavy-ball momentum 0.9 (the MLP): `spike_compensation+weight_prediction` at
-    DDG and FDG K = 8; `nesterov_delay` with nesterov_gamma 0.9 at FDG K = 4; nothing at
-    DDG K = 4 (no remedy was tried there).
-  - The Adam family, `ADAM_FAMILY` (adam, adamw and nadam_warmup, which the ViT and GPT
-    studies ran rotated Adam against, and basis_rotation itself): the optimiser becomes
-    `basis_rotation` under BP, GPipe and 1F1B (no correction: the study's best BP optimiser,
-    so BP and the delayed runs compare one optimiser) and under DDG and FDG at K = 4 to 8;
-    with the time-to-quality GPT's choices (benchmarks/time_to_quality.py, part gpt_long):
-    `error_feedback+weight_prediction` strength 1 at DDG K = 4; `error_feedback` strength
-    1 at FDG K = 4 and 0.5 at FDG K = 8, both with a warm-up of a third of the run
-    (warmup_epochs = 0.3333 x num_epochs, replacing the config's); no remedy at DDG K = 5
-    to 8 (none was tried at DDG K = 8) and FDG K = 5 to 7 (K = 4 and 8 chose different
-    strengths). adam(w) with nesterov=True (NAdam) is not the family. If the user's
-    optimiser parameters (optimizer_kwargs, b1/b2/eps) include one that basis_rotation
-    lacks, nothing changes (the remedy was chosen with rotated Adam only). Where the
-    optimiser is switched, `fdg_jax.trainer.resolve_auto` adds both optimisers'
-    state for the config's model to the line (`state_memory`; rotated Adam's was 4.45x
-    AdamW's on the study's ViT and 4.27x on its GPT, docs/results/optimizer_cost_*.json).
-  - Muon (the GPT): its own optimiser kept, `error_feedback` strength 1 at DDG K = 4 and
-    FDG K = 8, 0.5 at FDG K = 4 (each cell's choice); nothing at DDG K = 8 (not run) or
-    under BP.
-  - Anything else (SGD with another momentum, Nesterov's or none; lion, optax's nadam, ...):
-    nothing; no optimiser outside `ADAM_FAMILY` is ever replaced.
-
-  K: the study ran K = 4 and 8. A K in between (5, 6, 7) counts as studied for each of the
-  two choices, the optimiser and the remedy, only where the study made that same choice at
-  both K = 4 and K = 8 (so the Adam family gets rotated Adam alone under DDG and FDG; SGD
-  and Muon get nothing there). K = 2, 3 or above 8:
-  nothing, the optimiser included. A delayed schedule other than the study's (beta != 1,
-  backward="recompute"): nothing. K = 1 and BP, GPipe, 1F1B have no delay: no correction.
-
-  The learning rate and every other field stay the user's, and so does the warm-up except
-  where the choice sets one. `hparams`: the names of the optimiser parameters the config
-  sets (`config_check.optimizer_hparams`); `num_epochs`: the run's (for a warm-up fraction).
+  For an optimiser of `STUDY` (SGD with heavy-ball momentum 0.9; basis_rotation) under a
+  delayed schedule and K the study ran (DDG K = 4, FDG K = 4 and 8), at beta 1 with stashed
+  weights: that cell's held-out choice, i.e. the learning rate times the cell's multiple of
+  BP's chosen rate (the user's rate is taken to be one that suits BP), and its remedy or
+  `staleness=none`; fractions of the run (a warm-up) become fields of this run, replacing the
+  config's. Anything else: `staleness=none`, and the line says why (for adam, adamw and
+  nadam_warmup it names basis_rotation's row). Never changes the optimiser.
   """
   none = {"staleness": "none"}
-  family, what = _family(optimizer, momentum, nesterov)
-  swappable = family == "adam" and optimizer != ROTATED
-  lacking = sorted(set(hparams) - set(inspect.signature(basis_rotation).parameters))
-  blocked = (f"{ROTATED}, the study's optimiser for {optimizer}, has no parameter "
-             f"{', '.join(lacking)}: set the optimiser and staleness by hand")
   delayed = plans.spec(algorithm).delayed
   if not delayed or num_stages == 1:
-    why = f"{algorithm}{' K=1' if delayed else ''}: no delay to correct"
-    if swappable and not lacking:
-      return {"optimizer": ROTATED, "staleness": "none"}, (
-          f"staleness=auto: none ({why}); optimizer {optimizer} -> {ROTATED} (the study's "
-          "best optimiser under BP, and its choice under DDG and FDG)")
-    return none, f"staleness=auto: none ({why}{'; ' + blocked if swappable else ''})"
-  if family is None:
-    return none, f"staleness=auto: none (no remedy studied for {what})"
+    return none, f"staleness=auto: none ({algorithm}{' K=1' if delayed else ''}: no delay " \
+                 "to correct)"
+  row, why = _row(optimizer, momentum, nesterov)
+  if row is None:
+    return none, f"staleness=auto: none ({why})"
   if beta != 1.0 or backward != "stash":
     return none, (f"staleness=auto: none (the study ran beta 1 and backward stash, not beta "
                   f"{beta:g} with backward {backward})")
-  cell, where = _cell(family, algorithm, num_stages)
-  if cell is None:
-    return none, f"staleness=auto: none ({where})"
-  switch, remedy = cell
-  switch = switch if switch and switch != optimizer else None
-  if switch and lacking:
-    return none, f"staleness=auto: none ({blocked})"
-  who = _FAMILY_NAMES[family]
-  fields = _config_fields(remedy or none, num_epochs)
-  warm = (f"warm-up {remedy[WARMUP]:g} x num_epochs {num_epochs:g}; "
-          if remedy and WARMUP in remedy else "")
-  if remedy:
-    line = f"staleness=auto: {describe(fields)}"
-  elif where.startswith("at both"):
-    line = (f"staleness=auto: none (no remedy common to the study's {algorithm.upper()} "
-            f"K={STUDIED_K[0]} and K={STUDIED_K[1]})")
-  else:
-    line = f"staleness=auto: none (no remedy tried for {who} {where})"
-  if switch:
-    fields["optimizer"] = switch
-    line += f"; optimizer {optimizer} -> {switch} ({warm}the study's choice for {who} {where})"
-  elif remedy:
-    line += f" ({warm}the study's choice for {who} {where})"
-  return fields, line
+  cell = f"{algorithm.upper()} K={num_stages}"
+  choice = row.cells.get((algorithm, num_stages))
+  if choice is None:
+    return none, (f"staleness=auto: none (the study ran {row.what} at {_cells(row)}, not "
+                  f"{cell})")
+  fields = _fields(choice, learning_rate, num_epochs)
+  lr = (f"learning_rate {learning_rate:g} -> {fields['learning_rate']:g} "
+        f"(x{choice.lr_mult:g})" if "learning_rate" in fields else "learning_rate kept (x1)")
+  remedy = describe(fields) if choice.fields else "no remedy"
+  return fields, (f"staleness=auto: {remedy}, {lr}: the time-to-quality study's held-out "
+                  f"choice for {row.what} at {cell} (part {row.part}; {DOCS})")
 
 
-def _size(n: int) -> str:
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= scale:
-      return f"{n / scale:.2f} {unit}"
-  return f"{n} B"
+def table() -> list[tuple[str, str, str, str]]:
+  """`STUDY` as rows of (optimiser, cell, what auto sets, part), for the docs."""
+  out = []
+  for row in STUDY:
+    for (algorithm, K), c in row.cells.items():
+      sets = [f"lr ×{c.lr_mult:g}"]
+      if c.fields:
+        sets.append(f"`{describe(dict(c.fields))}`")
+      else:
+        sets.append("no remedy")
+      sets += [f"{name} {fraction:g} × num_epochs" for name, fraction in c.fractions.items()]
+      out.append((row.what, f"{algorithm.upper()} K={K}", ", ".join(sets), row.part))
+  return out
 
 
-def state_memory(old_name: str, old: int, new_name: str, new: int, params: int) -> str:
-  """The start line's clause on a switched optimiser's state (bytes for the user's model)."""
-  ratio = f", {new / old:.2f}x" if old else ""
-  return (f"{new_name}'s state {_size(new)} against {old_name}'s {_size(old)} for this "
-          f"model's {_size(params)} of parameters (+{_size(new - old)}{ratio})")
+def markdown() -> str:
+  """The docs' table of what `staleness=auto` sets (docs/staleness.md; tested)."""
+  lines = ["<!-- staleness=auto's table: written by "
+           "`python benchmarks/results_table.py --write` -->",
+           "| optimiser | schedule, K | `staleness=auto` sets | time-to-quality part |",
+           "|---|---|---|---|"]
+  lines += [f"| {o} | {c} | {s} | `{p}` |" for o, c, s, p in table()]
+  lines.append("| anything else | any | nothing (`staleness=none`; the line says why) | |")
+  return "\n".join(lines)
 
-
-def tree_bytes(tree) -> int:
-  """The bytes of a pytree's arrays (or of `jax.eval_shape`'s ShapeDtypeStructs)."""
-  return sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree) if hasattr(x, "shape"))

@@ -182,44 +182,25 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
 
 def auto_fields(config) -> tuple[dict, str]:
   """What `staleness=auto` sets for `config` (`fdg_jax.optim.auto.recommend` on its
-  optimiser, schedule, K, momentum, ...): (config fields, the start line)."""
+  optimiser, schedule, K, momentum, learning rate, ...): (config fields, the start line)."""
   return auto.recommend(
       config.optimizer, config.algorithm, num_stages=config.num_stages,
       momentum=config.momentum, nesterov=config.nesterov, beta=config.beta,
-      backward=config.backward, hparams=tuple(optimizer_hparams(config)),
+      backward=config.backward, learning_rate=config.learning_rate,
       num_epochs=config.num_epochs)
 
 
 def resolve_auto(config):
-  """`config` with `staleness="auto"` replaced by the study's choice for its optimiser,
-  schedule, K and momentum (`fdg_jax.optim.auto.recommend`: nothing outside what the study covered),
-  said in one line; else `config` itself. Where the optimiser is switched (the Adam family to
-  rotated Adam), the line gives both optimisers' state for the config's model, built with
-  `jax.eval_shape` (nothing allocated)."""
+  """`config` with `staleness="auto"` replaced by the time-to-quality study's held-out choice
+  for its optimiser, schedule and K (`fdg_jax.optim.auto.recommend`: nothing outside the
+  cells the study ran), said in one line; else `config` itself."""
   if config.get("staleness", "none") != "auto":
     return config
   fields, line = auto_fields(config)
   resolved = config.copy_and_resolve_references()
   for key, value in fields.items():
     resolved[key] = value
-
-  def state_bytes(c, params) -> int:
-    tx = make_optimizer(c.optimizer, c.learning_rate, momentum=c.momentum, nesterov=c.nesterov,
-                        weight_decay=c.weight_decay, peak_learning_rate=c.learning_rate,
-                        **optimizer_hparams(c))
-    return auto.tree_bytes(jax.eval_shape(tx.init, params))
-
   if jax.process_index() == 0:
-    if resolved.optimizer != config.optimizer:
-      validate_fields(resolved)  # the one-line errors setup would give, before sizing
-      model = create_model(resolved)
-      shape, dtype = data_lib.kinds.lookup(config.dataset).example(config)
-      whole = partition.stages_from_boundaries(model, [])[0]  # every stage's params at once
-      params, _ = jax.eval_shape(lambda x: whole.init(jax.random.PRNGKey(0), x),
-                                 jax.ShapeDtypeStruct((1, *shape), dtype))
-      line += "; " + auto.state_memory(
-          config.optimizer, state_bytes(config, params), resolved.optimizer,
-          state_bytes(resolved, params), auto.tree_bytes(params))
     log(line)
   return resolved
 
