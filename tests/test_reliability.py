@@ -209,3 +209,54 @@ def test_labels_outside_the_classes_are_refused_where_the_data_enters(monkeypatc
   with pytest.raises(trainer.UserError, match=r"digits test: label -1 lies outside \[0, 10\)"):
     trainer.train_and_evaluate(tiny_config(max_steps=3), str(tmp_path))
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_file_size_limit_at_a_save_is_one_line_and_the_resume_is_bitwise(tmp_path):
+  """`ulimit -f` (RLIMIT_FSIZE, set in the child) below a checkpoint's size: the save fails
+  in orbax's writer threads; the run stops with one line naming the step it kept, and the
+  same command without the limit goes on from there to an uninterrupted run's result."""
+  import resource
+  flags = ["--config.num_epochs=1", "--config.checkpoint_every_steps=10",
+           "--config.compilation_cache=off", "--config.model_kwargs.widths=(16,16,16)"]
+
+  def run(workdir, *extra, limit=None):
+    pre = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
+    p = _train_cli(workdir, *flags, *extra, preexec_fn=pre)
+    out, err = p.communicate(timeout=300)
+    return p.returncode, err
+
+  assert run(tmp_path / "full")[0] == 0
+  assert run(tmp_path / "run", "--config.max_steps=20")[0] == 0
+  before = json.loads((tmp_path / "run" / "checkpoint_checksums.json").read_text())["20"]
+  rc, err = run(tmp_path / "run", limit=16 * 1024)
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
+  assert lines[0].startswith("error: could not save the checkpoint of step 30 ")
+  assert "(File too large); the checkpoint of step 20 is kept" in lines[0]
+  assert lines[0].endswith(f"--workdir {tmp_path / 'run'}")
+  trainer.checkpoints.Checkpointer(str(tmp_path / "run" / "checkpoints")).verify(20)
+  sums = json.loads((tmp_path / "run" / "checkpoint_checksums.json").read_text())
+  assert sums["20"] == before
+  rc, err = run(tmp_path / "run")
+  assert rc == 0, err
+  full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "run")
+  strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_time", "samples_per_second")}
+  assert strip(resumed[-1]) == strip(full[-1]) and resumed[-1]["step"] == 44
+
+
+def test_a_full_disk_at_the_first_save_is_one_line(tmp_path):
+  """A real full disk: a 600 KiB tmpfs (mounting one needs root; skipped elsewhere)."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs",
+                                          str(disk)], capture_output=True).returncode:
+    pytest.skip("mounting a small tmpfs needs root")
+  try:
+    p = _train_cli(disk / "run", "--config.num_epochs=1", "--config.compilation_cache=off")
+    out, err = p.communicate(timeout=300)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert "could not save the checkpoint of step" in lines[0]
+    assert "no checkpoint was saved yet: free space and resume with: " in lines[0]
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)

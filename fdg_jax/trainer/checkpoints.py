@@ -74,11 +74,15 @@ class Checkpointer:
   def save(self, step: int, state, data_state: dict, progress: dict) -> None:
     """Writes the checkpoint of `step` and waits until it is on disk."""
     ocp = self._ocp
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(runtime_arrays.to_checkpoint(state)),
-        data=ocp.args.JsonSave(data_state),
-        progress=ocp.args.JsonSave(progress)), force=True)
-    self.manager.wait_until_finished()
+    # A write that fails (a full disk, a file-size limit) fails in each of orbax's writer
+    # threads, which log it with its traceback; the same error reaches the caller, which
+    # says it in one line (or re-raises what it cannot name).
+    with _quiet_unraisable():
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(runtime_arrays.to_checkpoint(state)),
+          data=ocp.args.JsonSave(data_state),
+          progress=ocp.args.JsonSave(progress)), force=True)
+      self.manager.wait_until_finished()
     if jax.process_index() == 0:
       self._write_checksums(step)
 
@@ -181,7 +185,8 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _quiet_unraisable():
-  """Silences the leftovers of a failed orbax restore (its exception says what failed).
+  """Silences the leftovers of a failed orbax restore or save (its exception says what
+  failed).
 
   A restore that fails leaves orbax's pending read coroutines to be garbage-collected, now
   or at exit, and Python prints each one's traceback. From the first restore on, the

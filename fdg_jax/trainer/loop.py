@@ -360,9 +360,12 @@ class TrainingLoop:
       why = next(w for w in ("RESOURCE_EXHAUSTED", "No space left", "File too large",
                              "Read-only file system", "Permission denied", "Disk quota", "")
                  if w in text or not w) or text[:120]
+      fix = {"File too large": "raise the file-size limit (ulimit -f)",
+             "Read-only file system": "make the workdir writable",
+             "Permission denied": "make the workdir writable"}.get(why, "free space")
       raise UserError(f"could not save the checkpoint of step {self.step} in "
-                      f"{self.ckpt.directory} ({why}); {kept}: free space (or raise the "
-                      "limit) and run the same command to resume") from None
+                      f"{self.ckpt.directory} ({why}); {kept}: {fix} and run the same "
+                      "command to resume") from None
     self.last_good = self.step
     self.paused += time.time() - t0
 
