@@ -129,12 +129,8 @@ def _simulate(plan: Plan, ticks: int):
       if c.backward:
         b = reads(c.cot, now_cot, inbox_cot)
         if b is not None and stash[k]:
-          if plan.accumulates:  # within the tick, entries are found by micro-batch
-            assert b in stash[k], (plan.name, t, k, b)
-            stash[k].remove(b)
-          else:
-            got = stash[k].pop(0)
-            assert got == b, (plan.name, t, k, got, b)  # FIFO
+          got = plan.kind.take_stash(stash[k], b)
+          assert got == b, (plan.name, t, k, got, b)
           events.append((t, k, "B", b))
           if k > 0:
             (now_cot if _reader_reads_now(plan, k - 1) else next_cot)[(k - 1, c.micro)] = b

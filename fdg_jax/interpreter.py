@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fdg_jax.ring import select
 
@@ -57,10 +56,8 @@ def run_tick(plan, math, ops, stages, inbox, batch, t):
   # A plan that accumulates: each stage's stash entries and gradient sum of this tick, the
   # last stage's losses and outputs, the labels where the last stage reads them.
   held, sums, losses, outs = {}, [None] * K, [], {}
-  if plan.accumulates:
-    tick = np.int32(t) if isinstance(t, int) else t
-    firsts = {m: math.micro(batch[0], m) for m in range(plan.microbatches)}
-    labels = ops.move(K - 1, batch[1])
+  tick_kind = plan.kind
+  tick, firsts, labels = tick_kind.tick_inputs(plan, math, ops, batch, t)
 
   def send(k, kind, flag, message, m=0):
     if plan.reads_now(k, kind):
@@ -70,7 +67,7 @@ def run_tick(plan, math, ops, stages, inbox, batch, t):
 
   def source(k, kind, where, m=0):
     if where == "batch":
-      return firsts.pop(m) if plan.accumulates else batch
+      return tick_kind.input_of(firsts, batch, m)
     return now[kind].pop((k, m)) if where == "now" else inbox[k][kind]
 
   # The engine may issue the calls that read only messages of tick t-1 in any order among

@@ -118,6 +118,18 @@ class Plan:
     synchronous pipeline): its stash lives within the tick, not in a ring of the state."""
     return any(c.applies_sum for c in self.calls)
 
+  @property
+  def kind(self):
+    """The plan's kind of tick (`fdg_jax.tick_kinds`), chosen here once (again only after a
+    `tick_kinds.register`): synchronous where the stages apply a gradient sum, else
+    delayed. Everything that differs between kinds asks it."""
+    from fdg_jax import tick_kinds
+    cached = self.__dict__.get("_kind")
+    if cached is None or cached[0] != tick_kinds.generation():
+      cached = (tick_kinds.generation(), tick_kinds.of(self))
+      object.__setattr__(self, "_kind", cached)  # a frozen dataclass's cache
+    return cached[1]
+
   def flags(self, k: int, t):
     """(forwards, backwards) of stage k at tick t: host int -> Python bools, traced int ->
     traced bools, None (past the fill) -> True, True. For the last stage, (active, active)."""

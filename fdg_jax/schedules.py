@@ -114,8 +114,8 @@ class Schedule(Telemetry):
                        f"got {len(stages)}")
     self.algorithm = self.plan.name
     self.microbatches = self.plan.microbatches
-    if self.plan.accumulates:
-      _check_synchronous(self.algorithm, beta, backward, telemetry, shrink_at, mesh, engine)
+    self.plan.kind.check_options(self.algorithm, beta=beta, backward=backward,
+                                 telemetry=telemetry, shrink_at=shrink_at, mesh=mesh)
     self.stages = stages
     self.num_stages = len(stages)
     self.loss_fn = loss_fn
@@ -228,21 +228,14 @@ class Schedule(Telemetry):
       raise ValueError(f"got {len(model_state)} model states for {K} stages")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     state = self.shapes.init_state(params, model_state, rng, self.optimizers)
-    if example_batch is not None and not self.plan.accumulates:
+    if example_batch is not None and self.plan.kind.ready_at_init():
       state = self.ready(state, self.placement.put_batch(0, tuple(example_batch)))
     return state
 
   def ready(self, state, batch_spec) -> dict:
     """`state` with its buffers allocated (in the engine's layout), and this schedule
     prepared for its shapes. `batch_spec`: the global batch (arrays or ShapeDtypeStructs)."""
-    if self.plan.accumulates:  # nothing to allocate: no stash or inbox between ticks
-      return state
-    if state["inbox"] is None:
-      self._flops = None
-      return self.engine_impl.adopt(self.shapes.allocate(state, batch_spec, self.math))
-    if not self.shapes.prepared:  # a state restored into a fresh schedule
-      self.shapes.prepare(batch_spec, self.math)
-    return state
+    return self.plan.kind.ready(self, state, batch_spec)
 
   # ------------------------------------------------------------------ ticks
   def step(self, state: dict, batch) -> tuple[dict, dict]:
@@ -254,22 +247,8 @@ class Schedule(Telemetry):
       update), and, once a batch reaches the loss, `loss`, `batch` (its index) and the
       `metrics_fn` values (default `accuracy`) of that batch.
     """
-    if self.plan.accumulates:
-      B = int(np.shape(jax.tree.leaves(batch[0])[0])[0])
-      if B % self.microbatches:
-        raise ValueError(f"a batch of {B} does not split into microbatches="
-                         f"{self.microbatches} equal parts; use a batch size that "
-                         f"{self.microbatches} divides")
+    self.plan.kind.check_batch_size(self.plan, int(np.shape(jax.tree.leaves(batch[0])[0])[0]))
     return self.engine_impl.step(state, batch)
-
-  def finish_step(self, state, stages, inbox, updated, metrics, t: int):
-    """The state after a tick run by the fused or per-stage engine, and its metrics."""
-    K = self.num_stages
-    if self.plan.accumulates:  # every stage applies the tick's batch at the tick's end
-      metrics = {**metrics, "batch": t, "tick": t, "updated": (t,) * K}
-      return {"tick": np.asarray(t + 1, np.int64), "stages": stages}, metrics
-    metrics = {**metrics, "tick": t, "updated": tuple(updated)}
-    return {"tick": np.asarray(t + 1, np.int64), "stages": stages, "inbox": inbox}, metrics
 
   def run(self, state: dict, batches, num_ticks: int | None = None) -> tuple[dict, dict]:
     """Runs T ticks: `batches = (xs, ys)` with a leading ticks axis.
@@ -296,20 +275,13 @@ class Schedule(Telemetry):
     T = length if num_ticks is None else int(num_ticks)
     if not 1 <= T <= length:
       raise ValueError(f"run needs 1 <= num_ticks <= {length} (the batches given), got {T}")
+    self.plan.kind.check_batch_size(self.plan, int(np.shape(jax.tree.leaves(xs)[0])[1]))
     return self.engine_impl.run(state, xs, ys, T, length)
 
   def metrics_spec(self, first: dict | None = None) -> dict:
     """Shapes of the last stage's metrics (loss, batch, metrics_fn's); for a plan that
     accumulates, those of `first`, a tick's metrics (every tick has them)."""
-    if self.plan.accumulates:
-      return {n: jax.ShapeDtypeStruct(np.shape(v), jnp.asarray(v).dtype)
-              for n, v in first.items() if n not in ("tick", "updated")}
-    if self._metrics_shapes is None:
-      K, shapes = self.num_stages, self.shapes
-      act = shapes.batch_spec if K == 1 else shapes.act_specs[K - 2]
-      self._metrics_shapes = jax.eval_shape(lambda s, a: self.math.last_work(s, a, True)[2],
-                                            shapes.core_spec(K - 1), act)
-    return self._metrics_shapes
+    return self.plan.kind.metrics_spec(self, first)
 
   def constant(self, k: int, value, dtype):
     """A cached device scalar on stage k's devices (fills ticks with no value)."""
@@ -324,7 +296,7 @@ class Schedule(Telemetry):
     """Stage k's state unpacked: params, model_state, opt_state, rng, pushes, pops and (but
     for the last stage) stash_batch (a plan that accumulates: params, model_state,
     opt_state, rng). The stash: `stash`."""
-    if self.plan.accumulates:
+    if not self.plan.kind.carries_stash:  # its state is kept unpacked
       return state["stages"][k]
     if k not in self._unpack_fns:
       self._unpack_fns[k] = jax.jit(self.shapes.core_layouts[k].unpack)
@@ -333,7 +305,7 @@ class Schedule(Telemetry):
   def stash(self, state, k: int) -> tuple:
     """Stage k's stash ring: one [D_k, ...] buffer per leaf of an entry (() for the last,
     and for a plan that accumulates, whose stash lives within the tick)."""
-    if self.plan.accumulates:
+    if not self.plan.kind.carries_stash:
       return ()
     stash = self.engine_impl.packed_stage(state, k).get("stash")
     if stash is None:
@@ -364,7 +336,7 @@ class Schedule(Telemetry):
       core = self.engine_impl.core(state, k)
       if k not in self._eval_fns:
         def fwd(core, a, k=k):
-          s = core if self.plan.accumulates else self.shapes.core_layouts[k].unpack(core)
+          s = self.plan.kind.view(self.shapes.core_layouts[k], core)
           return self.stages[k].apply(s["params"], s["model_state"], a, train=False)[0]
         self._eval_fns[k] = jax.jit(fwd)
       x = self._eval_fns[k](core, x)
@@ -376,7 +348,7 @@ class Schedule(Telemetry):
     """Bytes held by each stage's delay buffer: its stash ring, the ring's head where it keeps
     one (`ring_heads`, `delays.slots_held`), and its batch indices."""
     K = self.num_stages
-    if self.plan.accumulates:  # the stash lives within the tick
+    if not self.plan.kind.carries_stash:  # the stash lives within the tick
       return [0] * K
     return [int(self.engine_impl.stash_bytes(state, k) + (4 * self.ring_sizes[k] if k < K - 1
                                                           else 0)) for k in range(K)]
@@ -400,21 +372,6 @@ def _plan(algorithm, num_stages: int, microbatches):
     raise ValueError(f"microbatches must be >= 1, got {microbatches}")
   options = {"microbatches": int(microbatches)} if sp.microbatched else {}
   return plans_lib.plan(algorithm, num_stages, **options)
-
-
-def _check_synchronous(name, beta, backward, telemetry, shrink_at, mesh, engine) -> None:
-  """One line for what a synchronous pipeline (a plan that accumulates) cannot take."""
-  bad = [n for n, value, off in (("beta", beta, 1.0), ("backward", backward, "stash"),
-                                 ("telemetry", telemetry, False),
-                                 ("shrink_at", shrink_at, "gradient")) if value != off]
-  if bad:
-    raise ValueError(f"{name} takes no {', '.join(bad)} (it has no delay: no stash policy, "
-                     "shrinking or telemetry)")
-  if mesh is not None:
-    raise ValueError(f"{name} runs on one device or a device per stage; data-parallel meshes "
-                     "are for plans that apply each gradient as it comes (bp, ddg, fdg)")
-  if engine not in ("auto", "fused", "per_stage"):
-    raise ValueError(f"{name} runs on the fused or per-stage engine, not {engine!r}")
 
 
 def bp(stages, loss_fn, optimizer, **kwargs) -> Schedule:

@@ -101,7 +101,7 @@ class Shapes:
     """The state at tick 0: each stage's core packed (or, for a plan that accumulates,
     kept as it is) on its devices; the stash and inbox come with `allocate`."""
     K, P = self.num_stages, self.placement
-    if self.plan.accumulates:
+    if not self.plan.kind.carries_stash:
       stages = [P.put_state(k, {
           "params": params[k], "model_state": model_state[k],
           "opt_state": optimizers[k].init(params[k]), "rng": jax.random.fold_in(rng, k)})

@@ -354,20 +354,8 @@ class StageMath:
   def unpack_stage(self, k, packed) -> dict:
     """Stage k's state as a call sees it: its core unpacked (a plan that accumulates keeps
     it unpacked), its stash as it is."""
-    if self.plan.accumulates:
-      return dict(packed)
-    s = dict(self.shapes.core_layouts[k].unpack(packed["core"]))
-    if "stash" in packed:
-      s["stash"] = packed["stash"]
-    return s
+    return self.plan.kind.unpack_stage(self.shapes.core_layouts[k], packed)
 
   def pack_stage(self, k, s) -> dict:
     """The inverse of `unpack_stage`."""
-    if self.plan.accumulates:
-      return s
-    s = dict(s)
-    stash = s.pop("stash", None)
-    out = {"core": self.shapes.core_layouts[k].pack(s)}
-    if stash is not None:
-      out["stash"] = stash
-    return out
+    return self.plan.kind.pack_stage(self.shapes.core_layouts[k], s)

@@ -33,8 +33,9 @@ class Telemetry:
         entry and the cotangent waiting for it) and the fresh gradient of the same batch:
         backprop through the whole network at the current weights.
     """
-    if self.plan.accumulates:
-      raise ValueError(f"{self.algorithm} has no delay: there is no staleness to measure")
+    why = self.plan.kind.staleness_refusal(self.algorithm)
+    if why:
+      raise ValueError(why)
     if not self.telemetry_enabled:
       raise ValueError("telemetry needs a schedule built with telemetry=True")
     if jax.process_count() > 1:

@@ -183,7 +183,7 @@ def test_sync_pipelines_refuse_what_they_cannot_do():
   stages = [fdg_jax.Stage(apply=a) for a in applies]
   with pytest.raises(ValueError, match="takes no beta"):
     fdg_jax.gpipe(stages, loss_fn, optax.sgd(0.1), microbatches=2, beta=0.5)
-  with pytest.raises(ValueError, match="fused or per-stage"):
+  with pytest.raises(ValueError, match="1f1b chains its stages within a tick: use engine="):
     fdg_jax.one_f_one_b(stages, loss_fn, optax.sgd(0.1), microbatches=2, engine="spmd")
   with pytest.raises(ValueError, match="microbatches is an option of gpipe"):
     fdg_jax.create("fdg", stages, loss_fn, optax.sgd(0.1), microbatches=2)
@@ -205,3 +205,48 @@ def test_the_trainer_runs_gpipe_and_1f1b_like_bp(tmp_path):
     assert abs(runs[name]["test_loss"] - runs["bp"]["test_loss"]) < 1e-5
   with pytest.raises(trainer.ConfigError, match="microbatches=5 must"):
     trainer.validate(tiny_config(algorithm="gpipe", microbatches=5))
+
+
+def test_a_registered_tick_kind_is_what_every_engine_asks(monkeypatch):
+  """A new kind of tick is one TickKind subclass and one register line: here the delayed
+  kind with its `finish` counted, claimed for FDG only. Both engines finish each tick
+  through it (not through the schedule), and the numbers are the built-in kind's."""
+  from fdg_jax import tick_kinds
+  applies, params, model_state = make_model("mlp", 3)
+  stages = [fdg_jax.Stage(apply=a) for a in applies]
+  data = batches(5)
+
+  def train(engine):
+    sched = fdg_jax.fdg(stages, loss_fn, optax.sgd(0.1), engine=engine)
+    state = sched.init(params, model_state)
+    for b in data:
+      state, _ = sched.step(state, b)
+    return sched, jax.device_get(sched.params(state))
+
+  before = {e: train(e)[1] for e in ("fused", "per_stage")}
+  finished = []
+
+  class Counted(type(tick_kinds.DELAYED)):
+    name = "counted"
+
+    def selects(self, plan):
+      return plan.name == "fdg"
+
+    def finish(self, *args):
+      finished.append(args[4])  # the tick
+      return super().finish(*args)
+
+  monkeypatch.setattr(tick_kinds, "KINDS", list(tick_kinds.KINDS))
+  monkeypatch.setattr(tick_kinds, "_GENERATION", tick_kinds.generation())
+  counted = tick_kinds.register(Counted())
+  for engine in ("fused", "per_stage"):
+    finished.clear()
+    sched, after = train(engine)
+    assert sched.plan.kind is counted and finished == list(range(len(data))), engine
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after),
+                                                    jax.tree.leaves(before[engine])))
+  assert plans.plan("ddg", 3).kind is tick_kinds.DELAYED  # not claimed: the built-in kind
+  monkeypatch.undo()  # the built-in kinds alone again: the same plan asks again
+  assert plans.plan("fdg", 3).kind is tick_kinds.DELAYED
+  with pytest.raises(TypeError, match="a tick kind is a fdg_jax.tick_kinds.TickKind"):
+    tick_kinds.register(object())

@@ -35,7 +35,7 @@ class EagerEngine(engines.Engine):
     if not flags[K - 1][0]:
       metrics = {}
     packed = [math.pack_stage(k, st) for k, st in enumerate(stages)]
-    return s.finish_step(state, packed, inbox, updated, metrics, t)
+    return s.plan.kind.finish(packed, inbox, updated, metrics, t, K)
 
   def run(self, state, xs, ys, T, length):
-    return run_by_steps(self.schedule, state, xs, ys, T, length)
+    return run_by_steps(self, state, xs, ys, T, length)

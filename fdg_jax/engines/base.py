@@ -104,8 +104,7 @@ class Engine:
 
   def core(self, state, k: int):
     """Stage k's packed core buffers (an accumulating plan's: its unpacked state)."""
-    s = state["stages"][k]
-    return s if self.schedule.plan.accumulates else s["core"]
+    return self.schedule.plan.kind.core(state["stages"][k])
 
   def stash_bytes(self, state, k: int) -> int:
     """Bytes of stage k's stash ring as held (its head included)."""

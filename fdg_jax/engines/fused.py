@@ -102,12 +102,12 @@ class FusedEngine(base.Engine):
     updated = [u if f[1] else None for u, f in zip(updated, flags)]
     if not flags[K - 1][0]:
       metrics = {}
-    return s.finish_step(state, stages, inbox, updated, metrics, t)
+    return s.plan.kind.finish(stages, inbox, updated, metrics, t, s.num_stages)
 
   def run(self, state, xs, ys, T, length):
     s = self.schedule
-    if s.plan.accumulates or not s.scan:  # one program per tick
-      return run_by_steps(s, state, xs, ys, T, length)
+    if s.plan.kind.one_program_per_tick() or not s.scan:  # one program per tick
+      return run_by_steps(self, state, xs, ys, T, length)
     t0 = int(state["tick"])
     first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), (xs, ys))
     state = s.ready(state, first)

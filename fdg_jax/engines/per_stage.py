@@ -121,19 +121,20 @@ class PerStageEngine(base.Engine):
     t = int(state["tick"])
     stages, inbox, updated, metrics, _ = run_tick(s.plan, s.math, self.ops, state["stages"],
                                                   state.get("inbox"), batch_msg, t)
-    return s.finish_step(state, stages, inbox, updated, metrics, t)
+    return s.plan.kind.finish(stages, inbox, updated, metrics, t, s.num_stages)
 
   def run(self, state, xs, ys, T, length):
-    return run_by_steps(self.schedule, state, xs, ys, T, length)
+    return run_by_steps(self, state, xs, ys, T, length)
 
 
-def run_by_steps(schedule, state, xs, ys, T, length):
-  """`run` as T calls of `step`, the metrics stacked on the last stage's devices."""
+def run_by_steps(engine, state, xs, ys, T, length):
+  """`run` as T calls of `engine.step`, the metrics stacked on the last stage's devices."""
+  schedule = engine.schedule
   K, P = schedule.num_stages, schedule.placement
   t0 = int(state["tick"])
   per_tick = []
   for batch in base.unstack((xs, ys), T):
-    state, m = schedule.step(state, batch)
+    state, m = engine.step(state, batch)
     per_tick.append(m)
   per_tick += [{"updated": (None,) * K}] * (length - T)  # unset entries past T
   spec = schedule.metrics_spec(per_tick[0])
