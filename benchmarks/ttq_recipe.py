@@ -188,6 +188,11 @@ class CoreRunner:
     queue = list({t["key"]: t for t in queue}.values())
     if not queue:
       return
+    big = next((t for t in queue if t["cores"] > len(self.cores)), None)
+    if big is not None:  # it would wait for cores forever
+      raise RunFailed(f"{big['what']} needs {big['cores']} cores and this process may use "
+                      f"{len(self.cores)} ({self.cores}); run the study where {big['cores']} "
+                      "cores are free to it (check taskset or the job's CPU allocation)")
     self.workroot.mkdir(parents=True, exist_ok=True)
     running: dict = {}  # Popen -> (task, cores)
     free = list(self.cores)

@@ -223,3 +223,15 @@ def test_a_study_stopped_with_runs_queued_ends_and_goes_on_next_time(tmp_path):
   assert done.returncode == 0, done.stdout + done.stderr
   records = json.loads((tmp_path / "tiny.json").read_text())["records"]
   assert {r["what"] for r in records.values()} >= {"test FDG K=2 seed 0", "test FDG K=2 seed 1"}
+
+
+def test_a_run_needing_more_cores_than_the_study_may_use_is_refused_not_waited_for(tmp_path):
+  """Under `taskset -c 0` a two-core run would wait for a second core forever: refused at
+  once, in one line, before any run starts."""
+  runner = rec.CoreRunner(tmp_path / "out.json", tmp_path / "runs", cores=[0])
+  tasks = [{"key": "a", "what": "test BP seed 0", "cores": 1},
+           {"key": "b", "what": "test FDG K=2 seed 0", "cores": 2}]
+  with pytest.raises(rec.RunFailed, match=r"test FDG K=2 seed 0 needs 2 cores and this "
+                                          r"process may use 1 \(\[0\]\)"):
+    runner(tasks)
+  assert not (tmp_path / "runs").exists()
