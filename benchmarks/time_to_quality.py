@@ -968,9 +968,6 @@ def auto_markdown(study: Study, summary: dict) -> str:
     if cell not in derived.cells or schedule not in rows:
       continue
     c, r = derived.cells[cell], rows[schedule]
-    sets = [f"lr ×{c.lr_mult:g}",
-            f"`{auto.describe(dict(c.fields))}`" if c.fields else "no remedy"]
-    sets += [f"{k} {v:g} × num_epochs" for k, v in c.fractions.items()]
     held = study.record(study.held_out(schedule, r["lr_mult"], r["remedy"]))
     lr = study.fields(schedule, r["lr_mult"], None, 0)["learning_rate"]
     chosen = f"lr {lr:g}, {r['remedy'] or 'no remedy'}" + _auto_note(
@@ -979,7 +976,7 @@ def auto_markdown(study: Study, summary: dict) -> str:
       value, gap = f"{r['ppl']:.3f} ± {r['ppl_std']:.3f}", f"{100 * r['gap']:+.1f}%"
     else:
       value, gap = f"{r['mean']:.2f} ± {r['std']:.2f}", f"{r['gap']:+.2f}"
-    lines.append(f"| {schedule} | {', '.join(sets)} | {chosen} | {value} | {gap} |")
+    lines.append(f"| {schedule} | {auto.sets(c)} | {chosen} | {value} | {gap} |")
   return "\n".join(lines)
 
 

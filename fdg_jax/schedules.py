@@ -228,7 +228,7 @@ class Schedule(Telemetry):
       raise ValueError(f"got {len(model_state)} model states for {K} stages")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     state = self.shapes.init_state(params, model_state, rng, self.optimizers)
-    if example_batch is not None and self.plan.kind.ready_at_init():
+    if example_batch is not None and self.plan.kind.ready_at_init:
       state = self.ready(state, self.placement.put_batch(0, tuple(example_batch)))
     return state
 

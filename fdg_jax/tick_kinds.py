@@ -27,6 +27,8 @@ class TickKind:
 
   name = ""
   carries_stash = True  # whether the state holds stash rings and an inbox between ticks
+  ready_at_init = True  # whether `Schedule.init` allocates the buffers for an example batch
+  one_program_per_tick = False  # whether the fused engine runs T ticks as T programs always
 
   def __repr__(self) -> str:
     return f"tick_kinds.{self.name.upper()}"
@@ -57,7 +59,7 @@ class TickKind:
 
   def unpack_stage(self, layout, packed: dict) -> dict:
     """A stage's entry of the state as a call sees it: core unpacked, stash as it is."""
-    s = dict(layout.unpack(packed["core"]))
+    s = dict(self.view(layout, self.core(packed)))
     if "stash" in packed:
       s["stash"] = packed["stash"]
     return s
@@ -81,10 +83,6 @@ class TickKind:
       schedule.shapes.prepare(batch_spec, schedule.math)
     return state
 
-  def ready_at_init(self) -> bool:
-    """Whether `Schedule.init` allocates the buffers when it is given an example batch."""
-    return True
-
   def finish(self, stages, inbox, updated, metrics, t: int, num_stages: int):
     """The state after tick t and its metrics, from what the tick's program returned."""
     metrics = {**metrics, "tick": t, "updated": tuple(updated)}
@@ -98,10 +96,6 @@ class TickKind:
       schedule._metrics_shapes = jax.eval_shape(  # pylint: disable=protected-access
           lambda s, a: schedule.math.last_work(s, a, True)[2], shapes.core_spec(K - 1), act)
     return schedule._metrics_shapes  # pylint: disable=protected-access
-
-  def one_program_per_tick(self) -> bool:
-    """Whether the fused engine runs T ticks as T programs even where `scan` holds."""
-    return False
 
   # -- inside a tick --------------------------------------------------------------------
   def tick_inputs(self, plan, math, ops, batch, t):
@@ -128,6 +122,8 @@ class _Delayed(TickKind):
 class _Synchronous(TickKind):
   name = "synchronous"
   carries_stash = False
+  ready_at_init = False
+  one_program_per_tick = True
 
   def selects(self, plan) -> bool:
     return plan.accumulates  # its stages apply a sum of micro-batch gradients
@@ -159,17 +155,11 @@ class _Synchronous(TickKind):
   def core(self, stage_entry):
     return stage_entry
 
-  def unpack_stage(self, layout, packed: dict) -> dict:
-    return dict(packed)
-
   def pack_stage(self, layout, s: dict) -> dict:
     return s
 
   def ready(self, schedule, state, batch_spec):
     return state  # nothing to allocate: no stash or inbox between ticks
-
-  def ready_at_init(self) -> bool:
-    return False
 
   def finish(self, stages, inbox, updated, metrics, t: int, num_stages: int):
     # every stage applies the tick's batch at the tick's end
@@ -179,9 +169,6 @@ class _Synchronous(TickKind):
   def metrics_spec(self, schedule, first):
     return {n: jax.ShapeDtypeStruct(np.shape(v), jnp.asarray(v).dtype)
             for n, v in first.items() if n not in ("tick", "updated")}
-
-  def one_program_per_tick(self) -> bool:
-    return True
 
   def tick_inputs(self, plan, math, ops, batch, t):
     tick = np.int32(t) if isinstance(t, int) else t

@@ -106,7 +106,7 @@ class FusedEngine(base.Engine):
 
   def run(self, state, xs, ys, T, length):
     s = self.schedule
-    if s.plan.kind.one_program_per_tick() or not s.scan:  # one program per tick
+    if s.plan.kind.one_program_per_tick or not s.scan:  # one program per tick
       return run_by_steps(self, state, xs, ys, T, length)
     t0 = int(state["tick"])
     first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), (xs, ys))

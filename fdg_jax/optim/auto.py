@@ -7,7 +7,7 @@ cell by cell: the learning rate as a multiple of the rate the same part chose fo
 `auto` scales the user's rate, taken to be one that suits BP), and the remedy as config
 fields and fractions of the run, or no remedy. `recommend` returns a cell's choice for a
 config that matches it, and nothing for any other (another optimiser, momentum, K, beta,
-...); it never changes the optimiser. tests/test_auto_study.py derives this table from the
+...); it never changes the optimiser. tests/test_auto.py derives this table from the
 study's committed records and compares it with this one, cell by cell.
 """
 
@@ -146,19 +146,18 @@ def recommend(optimizer: str, algorithm: str, *, num_stages: int, momentum: floa
                   f"choice for {row.what} at {cell} (part {row.part}; {DOCS})")
 
 
+def sets(choice: Choice) -> str:
+  """What a choice sets, as the docs' tables say it: 'lr ×0.25, `error_feedback, ...`'."""
+  out = [f"lr ×{choice.lr_mult:g}",
+         f"`{describe(dict(choice.fields))}`" if choice.fields else "no remedy"]
+  out += [f"{name} {fraction:g} × num_epochs" for name, fraction in choice.fractions.items()]
+  return ", ".join(out)
+
+
 def table() -> list[tuple[str, str, str, str]]:
   """`STUDY` as rows of (optimiser, cell, what auto sets, part), for the docs."""
-  out = []
-  for row in STUDY:
-    for (algorithm, K), c in row.cells.items():
-      sets = [f"lr ×{c.lr_mult:g}"]
-      if c.fields:
-        sets.append(f"`{describe(dict(c.fields))}`")
-      else:
-        sets.append("no remedy")
-      sets += [f"{name} {fraction:g} × num_epochs" for name, fraction in c.fractions.items()]
-      out.append((row.what, f"{algorithm.upper()} K={K}", ", ".join(sets), row.part))
-  return out
+  return [(row.what, f"{algorithm.upper()} K={K}", sets(c), row.part)
+          for row in STUDY for (algorithm, K), c in row.cells.items()]
 
 
 def markdown() -> str:
