@@ -113,6 +113,13 @@ def _describe_checkpoint(loop, workdir: str) -> str:
   return f"no checkpoint in {directory} yet"
 
 
+# What a failed save's error says (orbax and tensorstore wrap the OS's), and what to do.
+SAVE_FAILURES = {"RESOURCE_EXHAUSTED": "free space", "No space left": "free space",
+                 "File too large": "raise the file-size limit (ulimit -f)",
+                 "Read-only file system": "make the workdir writable",
+                 "Permission denied": "make the workdir writable", "Disk quota": "free space"}
+
+
 class TrainingLoop:
   """The state of a run between ticks, and the steps the loop takes on it.
 
@@ -351,18 +358,12 @@ class TrainingLoop:
       self.ckpt.save(self.step, self.state, self.run.train_iter.get_state(), self.progress)
     except Exception as e:  # noqa: BLE001  orbax and tensorstore wrap the OS's error
       text = " ".join(str(e).split())
-      if not (isinstance(e, OSError) and e.errno in WRITE_ERRNOS) and not any(
-          w in text for w in ("RESOURCE_EXHAUSTED", "No space left", "File too large",
-                              "Read-only file system", "Permission denied", "Disk quota")):
+      why = next((w for w in SAVE_FAILURES if w in text), None)
+      if why is None and not (isinstance(e, OSError) and e.errno in WRITE_ERRNOS):
         raise
       kept = (f"the checkpoint of step {self.last_good} is kept" if self.last_good is not None
               else "no checkpoint was saved yet")
-      why = next(w for w in ("RESOURCE_EXHAUSTED", "No space left", "File too large",
-                             "Read-only file system", "Permission denied", "Disk quota", "")
-                 if w in text or not w) or text[:120]
-      fix = {"File too large": "raise the file-size limit (ulimit -f)",
-             "Read-only file system": "make the workdir writable",
-             "Permission denied": "make the workdir writable"}.get(why, "free space")
+      why, fix = (why, SAVE_FAILURES[why]) if why else (text[:120], "free space")
       raise UserError(f"could not save the checkpoint of step {self.step} in "
                       f"{self.ckpt.directory} ({why}); {kept}: {fix} and run the same "
                       "command to resume") from None
